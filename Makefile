@@ -1,0 +1,37 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# torch's CPU wheel: pinned in pyproject's test extra; PIP_FIND_LINKS lets pip take a local copy when one exists.
+TORCH_WHEELS ?= /opt/wheels
+
+.PHONY: install test demo crds tiny-model bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	PIP_FIND_LINKS=$(TORCH_WHEELS) $(PIP) install --quiet -c constraints.txt -e ".[operator,trainer,test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q
+
+crds: install
+	$(VENV)/bin/lora-operator crds --out crds/ --chart charts/lora-operator/crds/
+
+examples/tiny-llama/config.json: install
+	$(PY) examples/make_tiny_model.py --out examples/tiny-llama
+
+tiny-model: examples/tiny-llama/config.json
+
+demo: tiny-model
+	$(VENV)/bin/lora-operator run-local -f examples/lora-finetune.yaml
+
+bench: install
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) examples/tiny-llama examples/output

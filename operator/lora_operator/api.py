@@ -1,0 +1,247 @@
+"""The Kubernetes API of lora-operator: `LoraFinetune` and `AdapterConversion` (lora-operator.dev/v1alpha1).
+
+A LoraFinetune spec *is* the trainer's `TrainConfig` plus the fields that say where and how it
+runs on a cluster (TPU slice, image, queue, service account, restarts). The CRD YAML in `crds/`
+is generated from these models (`lora-operator crds`), so the schema, the operator and the
+trainer cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from lora_trainer.config import (
+    OUTPUT_URI_PATTERN,
+    URI_PATTERN,
+    ApiModel,
+    DatasetSpec,
+    Family,
+    LoraSpec,
+    ModelSpec,
+    OutputSpec,
+    TrainConfig,
+    TrainingSpec,
+)
+
+GROUP = "lora-operator.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+TpuType = Literal["v4", "v5e", "v5p", "v6e", "tpu7x"]
+Phase = Literal["Pending", "Running", "Suspended", "Exporting", "Succeeded", "Failed"]
+
+#: Resource names a CR may request or limit; TPU chips come from `tpu`, never from `resources`.
+ALLOWED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+#: Env var prefixes the operator owns (distributed init, topology); a CR may not override them.
+RESERVED_ENV_PREFIXES = ("JAX_", "MEGASCALE_", "TPU_", "LORA_", "XLA_", "GOOGLE_", "KUBERNETES_")
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+
+
+class TpuSpec(ApiModel):
+    type: TpuType = "v5p"
+    """TPU generation: v4, v5e, v5p, v6e or tpu7x (Ironwood)."""
+    topology: Annotated[str, Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*(x[1-9][0-9]*)?$")] = "2x2x1"
+    """Slice topology as GKE names it, e.g. `2x2x2` (v4, v5p, tpu7x) or `4x4` (v5e, v6e); must be offered by GKE for the type."""
+    slices: Annotated[int, Field(ge=1, le=64)] = 1
+    """Number of slices (multislice over DCN); each slice is one replica of the JobSet's replicatedJob."""
+
+
+class ResourceList(ApiModel):
+    cpu: Annotated[str, Field(pattern=QUANTITY)] | None = None
+    """CPU quantity, e.g. `8` or `8000m`."""
+    memory: Annotated[str, Field(pattern=QUANTITY)] | None = None
+    """Memory quantity, e.g. `64Gi`."""
+    ephemeral_storage: Annotated[str, Field(pattern=QUANTITY)] | None = Field(default=None, alias="ephemeral-storage")
+    """Local ephemeral storage, e.g. `100Gi`."""
+
+
+class Resources(ApiModel):
+    requests: ResourceList | None = None
+    """Requests for the trainer container (cpu, memory, ephemeral-storage; TPU chips are set from `tpu`)."""
+    limits: ResourceList | None = None
+    """Limits for the trainer container (cpu, memory, ephemeral-storage)."""
+
+
+class EnvVar(ApiModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128)]
+    """Variable name; names starting with JAX_, MEGASCALE_, TPU_, LORA_, XLA_, GOOGLE_ or KUBERNETES_ are reserved."""
+    value: Annotated[str, Field(max_length=4096)] = ""
+    """Literal value. Secrets are passed by reference only (hfTokenSecretRef), never as env values."""
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v.startswith(RESERVED_ENV_PREFIXES):
+            raise ValueError(f"env name {v!r} is reserved for the operator (prefixes {', '.join(RESERVED_ENV_PREFIXES)}); rename it")
+        return v
+
+
+class SecretKeyRef(ApiModel):
+    name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)]
+    """Name of a Secret in the CR's namespace."""
+    key: Annotated[str, Field(min_length=1, max_length=253)] = "token"
+    """Key in the Secret holding the Hugging Face token."""
+
+
+class LoraFinetuneSpec(TrainConfig):
+    """A LoRA fine-tune of an open LLM on a multi-host TPU slice."""
+
+    tpu: TpuSpec = Field(default_factory=TpuSpec)
+    """TPU slice shape the trainer runs on."""
+    image: Annotated[str, Field(min_length=1, max_length=512)] | None = None
+    """Trainer image; must be in the operator's image allowlist. Default: the operator's configured trainer image."""
+    service_account_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
+    """Kubernetes service account of the trainer pods (Workload Identity for the bucket)."""
+    queue_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
+    """Kueue LocalQueue; sets the `kueue.x-k8s.io/queue-name` label on the JobSet."""
+    priority_class_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
+    """PriorityClass of the trainer pods."""
+    max_restarts: Annotated[int, Field(ge=0, le=1000)] = 3
+    """JobSet restarts allowed after preemption or retriable faults before the run fails."""
+    suspend: bool = False
+    """Suspend the JobSet (pods are deleted; the run resumes from its last checkpoint when unsuspended). The only field that may change after creation."""
+    hf_token_secret_ref: SecretKeyRef | None = None
+    """Secret holding a Hugging Face token, for `hf://` models; mounted as HF_TOKEN, never copied."""
+    resources: Resources | None = None
+    """Extra CPU/memory requests and limits for the trainer container."""
+    env: Annotated[list[EnvVar], Field(max_length=64)] = Field(default_factory=list)
+    """Extra environment variables for the trainer container (literal values only)."""
+
+    def train_config(self) -> TrainConfig:
+        """The trainer's half of the spec: what goes into the ConfigMap."""
+        return TrainConfig.model_validate(self.model_dump(include=set(TrainConfig.model_fields)))
+
+
+class Condition(ApiModel):
+    type: str
+    """Condition type, e.g. Ready, Running, Succeeded, Failed, Suspended."""
+    status: Literal["True", "False", "Unknown"]
+    """Status of the condition."""
+    reason: str
+    """CamelCase reason."""
+    message: str = ""
+    """What happened and, for failures, what to change."""
+    last_transition_time: str
+    """When the status last changed (RFC 3339)."""
+    observed_generation: int | None = None
+    """The .metadata.generation the condition was set for."""
+
+
+class LoraFinetuneStatus(ApiModel):
+    phase: Phase | None = None
+    """Pending, Running, Suspended, Exporting, Succeeded or Failed."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Latest observations of the run's state."""
+    observed_generation: int | None = None
+    """The .metadata.generation the operator last acted on."""
+    job_set_name: str | None = None
+    """Name of the JobSet running the trainer."""
+    restarts: int | None = None
+    """JobSet restarts so far (preemptions and retriable faults)."""
+    step: int | None = None
+    """Last optimizer step reported by the trainer."""
+    total_steps: int | None = None
+    """training.steps."""
+    progress: str | None = None
+    """`step/totalSteps`, for the printer column."""
+    loss: str | None = None
+    """Last training loss (a string so that kubectl prints it verbatim)."""
+    tokens_per_second: str | None = None
+    """Training throughput over the last log interval."""
+    eta: str | None = None
+    """Estimated time to finish training, e.g. `1h02m`."""
+    last_checkpoint: str | None = None
+    """URI of the last committed checkpoint."""
+    adapter_uri: str | None = None
+    """URI of the exported HF PEFT adapter."""
+    merged_uri: str | None = None
+    """URI of the merged model, when requested."""
+    tpu: str | None = None
+    """TPU shape, e.g. `v5p 2x2x2 x2`, for the printer column."""
+    start_time: str | None = None
+    """When the JobSet started."""
+    completion_time: str | None = None
+    """When the run reached Succeeded or Failed."""
+
+
+class AdapterEndpoint(ApiModel):
+    uri: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)]
+    """Adapter location: local path or `gs://`."""
+    format: Literal["hf-peft", "orbax"]
+    """`hf-peft` (adapter_config.json + adapter_model.safetensors) or `orbax` (a LoRA checkpoint the trainer's restoreFrom accepts)."""
+
+
+class ConversionModel(ApiModel):
+    source: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)]
+    """Base model the adapter belongs to (HF safetensors checkpoint); needed for the mapping and for merged output."""
+    family: Family | None = None
+    """Model family; detected from the checkpoint's config.json when omitted."""
+
+
+class AdapterConversionSpec(ApiModel):
+    """Convert a LoRA adapter between HF PEFT and Orbax, optionally merging it into the base model."""
+
+    source: AdapterEndpoint
+    """The adapter to convert."""
+    target: AdapterEndpoint
+    """Where to write it and in which format."""
+    model: ConversionModel
+    """The base model."""
+    merged: bool = False
+    """Write the base model with the adapter merged (target format must be hf-peft)."""
+    image: Annotated[str, Field(min_length=1, max_length=512)] | None = None
+    """Trainer image running the conversion; must be in the operator's allowlist."""
+    service_account_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
+    """Service account of the conversion pod (bucket access)."""
+    resources: Resources | None = None
+    """CPU/memory requests and limits of the conversion pod."""
+
+    @field_validator("target")
+    @classmethod
+    def _target_writable(cls, v: AdapterEndpoint) -> AdapterEndpoint:
+        import re
+
+        if not re.match(OUTPUT_URI_PATTERN, v.uri):
+            raise ValueError("target.uri must be a local path or gs:// URI (hf:// is read-only)")
+        return v
+
+
+class AdapterConversionStatus(ApiModel):
+    phase: Literal["Pending", "Running", "Succeeded", "Failed"] | None = None
+    """Pending, Running, Succeeded or Failed."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Latest observations."""
+    observed_generation: int | None = None
+    """The .metadata.generation the operator last acted on."""
+    job_name: str | None = None
+    """Name of the conversion Job."""
+    output_uri: str | None = None
+    """Where the converted adapter (or merged model) was written."""
+    start_time: str | None = None
+    """When the Job started."""
+    completion_time: str | None = None
+    """When the conversion finished."""
+
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "VERSION",
+    "AdapterConversionSpec",
+    "AdapterConversionStatus",
+    "AdapterEndpoint",
+    "Condition",
+    "DatasetSpec",
+    "LoraFinetuneSpec",
+    "LoraFinetuneStatus",
+    "LoraSpec",
+    "ModelSpec",
+    "OutputSpec",
+    "TpuSpec",
+    "TrainingSpec",
+]

@@ -1,0 +1,36 @@
+"""The train config: one set of pydantic models parsed by the trainer and embedded in the CRD."""
+
+import pytest
+from pydantic import ValidationError
+
+from lora_trainer.config import TrainConfig, dump_train_config, load_train_config
+
+MINIMAL = {"model": {"source": "gs://models/llama"}, "dataset": {"train": "data/train.jsonl"}, "output": {"uri": "gs://runs/a"}}
+
+
+def test_round_trip_through_the_configmap_format(tmp_path):
+    cfg = TrainConfig.model_validate(MINIMAL)
+    path = tmp_path / "config.json"
+    path.write_text(dump_train_config(cfg))
+    assert load_train_config(path) == cfg
+    assert cfg.to_wire()["training"]["globalBatchSize"] == 8
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"lora": {"rank": 0}}, "lora.rank"),
+        ({"lora": {"targetModules": "(unclosed"}}, "lora.targetModules"),
+        ({"lora": {"quantization": {"weightQtype": "nf4", "tileSize": 48}}}, "lora.quantization.tileSize"),
+        ({"output": {"uri": "hf://org/model"}}, "output.uri"),
+        ({"model": {"source": "s3://bucket/model"}}, "model.source"),
+        ({"training": {"globalBatchSize": 6, "gradientAccumulation": 4}}, "training"),
+        ({"training": {"evalEvery": 10}}, "evalEvery"),
+        ({"lora": {"rnak": 8}}, "lora.rnak"),
+    ],
+)
+def test_bad_input_names_the_field(patch, field):
+    data = {**MINIMAL, **patch}
+    with pytest.raises(ValidationError) as e:
+        TrainConfig.model_validate(data)
+    assert field.split(".")[-1] in str(e.value)

@@ -1,0 +1,92 @@
+"""`lora-trainer`: the one program of the trainer image (train, export, convert, logits).
+
+Subcommands import their heavy modules lazily so `--help` and argument errors are instant.
+Every failure ends with one paragraph on stderr and a code from `exit_codes`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from lora_trainer import exit_codes
+from lora_trainer.errors import TrainerError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lora-trainer", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="fine-tune a LoRA adapter from a train config (YAML or JSON)")
+    t.add_argument("--config", required=True, help="train config file (the ConfigMap the operator renders)")
+
+    e = sub.add_parser("export", help="Orbax LoRA checkpoint -> HF PEFT adapter (optionally merged model)")
+    e.add_argument("--checkpoint", required=True, help="checkpoint root (<output>/checkpoints) or one step directory")
+    e.add_argument("--step", type=int, default=None, help="step to export (default: latest committed)")
+    e.add_argument("--out", required=True, help="output directory (local or gs://)")
+    e.add_argument("--merged", action="store_true", help="write the base model with the adapter merged instead")
+    e.add_argument("--base", default=None, help="base model (default: the one recorded in the checkpoint)")
+
+    c = sub.add_parser("convert", help="convert an adapter between HF PEFT and Orbax")
+    c.add_argument("--from", dest="src_format", required=True, choices=["hf-peft", "orbax"])
+    c.add_argument("--to", dest="dst_format", required=True, choices=["hf-peft", "orbax"])
+    c.add_argument("--source", required=True, help="adapter to convert")
+    c.add_argument("--out", required=True, help="output directory")
+    c.add_argument("--base", required=True, help="base model the adapter belongs to")
+    c.add_argument("--family", default=None, help="model family (default: detected from the base config.json)")
+    c.add_argument("--merged", action="store_true", help="write the merged model (target hf-peft only)")
+
+    lg = sub.add_parser("logits", help="JAX logits of one token sequence, float32 [len, vocab], to a .npy file")
+    lg.add_argument("--base", required=True)
+    lg.add_argument("--adapter", default=None, help="HF PEFT adapter dir or Orbax LoRA checkpoint")
+    lg.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    lg.add_argument("--out", required=True)
+    lg.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    return p
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "train":
+        from lora_trainer.config import load_train_config
+        from lora_trainer.train import run_training
+
+        run_training(load_train_config(args.config))
+        return exit_codes.OK
+    if args.command == "export":
+        from lora_trainer.adapters.export import export_checkpoint
+
+        export_checkpoint(args.checkpoint, args.out, step=args.step, merged=args.merged, base=args.base)
+        return exit_codes.OK
+    if args.command == "convert":
+        from lora_trainer.adapters.convert import convert
+
+        convert(args.src_format, args.dst_format, args.source, args.out, base=args.base, family=args.family, merged=args.merged)
+        return exit_codes.OK
+    if args.command == "logits":
+        from lora_trainer.adapters.logits import write_logits
+
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+        write_logits(args.base, tokens, args.out, adapter=args.adapter, dtype=args.dtype)
+        return exit_codes.OK
+    raise AssertionError(args.command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except TrainerError as e:
+        print(f"lora-trainer {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except MemoryError:
+        print(
+            f"lora-trainer {args.command}: error: out of host memory. Use a host with more memory, "
+            "a smaller training.globalBatchSize or dataset.maxSeqLen, or quantize the base (lora.quantization).",
+            file=sys.stderr,
+        )
+        return exit_codes.USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""What a fine-tune is: the train config shared by the CRD, the operator and the trainer.
+
+This module is the single source of truth for the training half of the API. The
+operator's `LoraFinetune` spec embeds these models, the CRD schema in `crds/` is
+generated from them, and `lora-trainer train --config FILE` parses the same models.
+It imports nothing heavy (no JAX) so the operator image can use it.
+
+Field names are camelCase on the wire (Kubernetes convention) and snake_case in
+Python; every field's description is the documentation users see in `kubectl explain`
+and in docs/reference.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+#: Inputs: `gs://bucket/path` (bucket 3-63 chars), `hf://org/name`, `file:///abs` or a local path (no scheme).
+#: RE2-compatible, since the API server evaluates the same pattern.
+URI_PATTERN = r"^(gs://[a-z0-9][-a-z0-9_.]{1,61}[a-z0-9](/[^\s]*)?|hf://[^/\s]+/[^\s]+|file:///[^\s]*|[^:\s]+)$"
+#: Outputs: as inputs but without `hf://`, which is read-only.
+OUTPUT_URI_PATTERN = r"^(gs://[a-z0-9][-a-z0-9_.]{1,61}[a-z0-9](/[^\s]*)?|file:///[^\s]*|[^:\s]+)$"
+
+Family = Literal["llama3", "qwen3", "qwen2", "gemma3"]
+DType = Literal["float32", "bfloat16", "float16"]
+WeightQtype = Literal["nf4", "int4", "int8", "fp8"]
+Schedule = Literal["cosine", "linear", "constant"]
+DatasetFormat = Literal["text", "prompt-completion", "chat"]
+
+
+class ApiModel(BaseModel):
+    """Base for every API object: camelCase on the wire, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The object as it appears in YAML/JSON: camelCase, defaults included, None dropped."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class ModelSpec(ApiModel):
+    source: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)]
+    """Base model: an HF safetensors checkpoint directory (local path, `gs://bucket/dir` or `hf://org/name`)."""
+    family: Family | None = None
+    """Model family; detected from the checkpoint's `config.json` (`model_type`) when omitted."""
+    dtype: DType = "bfloat16"
+    """Dtype the base weights are loaded and computed in. LoRA parameters are always float32."""
+
+
+class DatasetSpec(ApiModel):
+    train: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)]
+    """Training data: a JSONL (`.jsonl`) or Parquet (`.parquet`) file, local or `gs://`."""
+    eval: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)] | None = None
+    """Optional evaluation data in the same format as `train`."""
+    format: DatasetFormat = "prompt-completion"
+    """`text` (loss on every token), `prompt-completion` (loss on the completion) or `chat` (loss on assistant turns)."""
+    text_field: str = "text"
+    """Field holding the text for format `text`."""
+    prompt_field: str = "prompt"
+    """Field holding the prompt for format `prompt-completion`."""
+    completion_field: str = "completion"
+    """Field holding the completion for format `prompt-completion`."""
+    messages_field: str = "messages"
+    """Field holding the list of `{role, content}` messages for format `chat`."""
+    max_seq_len: Annotated[int, Field(ge=8, le=131072)] = 1024
+    """Examples are truncated to this many tokens (the count of truncated examples is logged)."""
+    packing: bool = False
+    """Pack several short examples into one sequence instead of padding each."""
+
+
+class QuantizationSpec(ApiModel):
+    weight_qtype: WeightQtype
+    """Quantize the frozen base weights of the LoRA-targeted layers (QLoRA): nf4, int4, int8 or fp8."""
+    tile_size: Annotated[int, Field(ge=1, le=4096)] | None = None
+    """Quantization tile along the contracting axis; a power of two that divides every targeted weight's input dimension."""
+
+    @field_validator("tile_size")
+    @classmethod
+    def _power_of_two(cls, v: int | None) -> int | None:
+        if v is not None and v & (v - 1):
+            raise ValueError(f"tileSize must be a power of two, got {v}")
+        return v
+
+
+class LoraSpec(ApiModel):
+    rank: Annotated[int, Field(ge=1, le=1024)] = 16
+    """LoRA rank r: the inner dimension of the low-rank update."""
+    alpha: Annotated[float, Field(gt=0)] = 32.0
+    """LoRA alpha: the update is scaled by alpha / rank, as in HF PEFT."""
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    """Dropout on the LoRA input during training."""
+    target_modules: Annotated[str, Field(min_length=1)] = "auto"
+    """`auto` (the model family's default: all attention and MLP projections) or a regex full-matched against module paths such as `layers/0/attn/q_proj`."""
+    quantization: QuantizationSpec | None = None
+    """QLoRA: quantize the targeted base weights."""
+    restore_from: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)] | None = None
+    """Start from an existing adapter: an Orbax LoRA checkpoint directory or an HF PEFT adapter directory."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _valid_regex(cls, v: str) -> str:
+        if v != "auto":
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"targetModules is not a valid regex ({e}); use `auto` or e.g. `.*(q_proj|v_proj)`") from e
+        return v
+
+
+class MeshSpec(ApiModel):
+    fsdp: Annotated[int, Field(ge=1)] | None = None
+    """Devices along the fsdp axis; default: all devices not used by `tp`."""
+    tp: Annotated[int, Field(ge=1)] = 1
+    """Devices along the tensor-parallel axis."""
+
+
+class TrainingSpec(ApiModel):
+    steps: Annotated[int, Field(ge=1)] = 1000
+    """Optimizer steps to train."""
+    global_batch_size: Annotated[int, Field(ge=1)] = 8
+    """Examples per optimizer step, across all hosts; must be divisible by gradientAccumulation."""
+    gradient_accumulation: Annotated[int, Field(ge=1)] = 1
+    """Micro-batches accumulated per optimizer step."""
+    learning_rate: Annotated[float, Field(gt=0)] = 2e-4
+    """Peak learning rate of AdamW."""
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    """Linear warmup from 0 to learningRate."""
+    schedule: Schedule = "cosine"
+    """Decay after warmup: cosine, linear (both to 0 at `steps`) or constant."""
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    """AdamW weight decay on the LoRA parameters."""
+    seed: int = 0
+    """Seed for LoRA initialisation, dropout and data shuffling."""
+    eval_every: Annotated[int, Field(ge=1)] | None = None
+    """Evaluate on `dataset.eval` every N steps (requires dataset.eval)."""
+    checkpoint_every: Annotated[int, Field(ge=1)] = 100
+    """Save an Orbax checkpoint every N steps (and at the end, and on SIGTERM)."""
+    checkpoints_to_keep: Annotated[int, Field(ge=1)] = 3
+    """Most recent checkpoints kept under output.uri/checkpoints."""
+    log_every: Annotated[int, Field(ge=1)] = 1
+    """Report step, loss, tokens/s and ETA every N steps."""
+    mesh: MeshSpec = Field(default_factory=MeshSpec)
+    """Device mesh; (data, fsdp, tp) with data = devices / (fsdp * tp)."""
+
+    @model_validator(mode="after")
+    def _accumulation_divides_batch(self) -> TrainingSpec:
+        if self.global_batch_size % self.gradient_accumulation:
+            raise ValueError(
+                f"training.globalBatchSize ({self.global_batch_size}) must be divisible by "
+                f"training.gradientAccumulation ({self.gradient_accumulation})"
+            )
+        return self
+
+
+class ExportSpec(ApiModel):
+    hf_peft: bool = True
+    """After training, export an HF PEFT adapter (adapter_config.json + adapter_model.safetensors) to output.uri/hf-adapter."""
+    merged: bool = False
+    """Also export the base model with the adapter merged to output.uri/merged."""
+
+
+class OutputSpec(ApiModel):
+    uri: Annotated[str, Field(pattern=OUTPUT_URI_PATTERN, min_length=1)]
+    """Where checkpoints (uri/checkpoints/<step>), metrics and the exported adapter (uri/hf-adapter) go."""
+    export: ExportSpec = Field(default_factory=ExportSpec)
+    """What the post-training export produces."""
+
+
+class TrainConfig(ApiModel):
+    """Everything `lora-trainer train` needs; the training half of a LoraFinetune spec."""
+
+    model: ModelSpec
+    """The base model."""
+    dataset: DatasetSpec
+    """Training (and evaluation) data."""
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    """LoRA / QLoRA adapter settings."""
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    """Optimisation, checkpointing and mesh."""
+    output: OutputSpec
+    """Where results go."""
+
+    @model_validator(mode="after")
+    def _eval_needs_data(self) -> TrainConfig:
+        if self.training.eval_every is not None and self.dataset.eval is None:
+            raise ValueError("training.evalEvery is set but dataset.eval is empty: add dataset.eval or drop evalEvery")
+        return self
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    """Parse a train config file (YAML or JSON; JSON is YAML)."""
+    return TrainConfig.model_validate(yaml.safe_load(Path(path).read_text()))
+
+
+def dump_train_config(cfg: TrainConfig) -> str:
+    """The config as the operator ships it in a ConfigMap: stable, sorted JSON."""
+    return json.dumps(cfg.to_wire(), indent=2, sort_keys=True) + "\n"
