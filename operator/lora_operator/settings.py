@@ -1,0 +1,85 @@
+"""The operator's own configuration: one YAML file (`lora-operator run --settings FILE`).
+
+The Helm chart renders this file from its values, so the field names below are the contract
+with the chart (camelCase on the wire). Everything a platform admin controls lives here; a
+CR can never widen it (images outside `allowedImages` are rejected, `hostNetwork` is only
+rendered when `allowHostNetwork` is true).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import Field, ValidationError
+
+from lora_operator.api import DNS_LABEL, DNS_SUBDOMAIN, Resources, TpuType
+from lora_trainer.config import ApiModel
+
+DEFAULT_TRAINER_IMAGE = "ghcr.io/lora-operator/lora-trainer:0.1.0"
+DEFAULT_IMAGE_REPOSITORY = "ghcr.io/lora-operator/lora-trainer"
+
+
+class OperatorSettings(ApiModel):
+    """What the platform admin sets for every CR the operator runs."""
+
+    trainer_image: Annotated[str, Field(min_length=1, max_length=512)] = DEFAULT_TRAINER_IMAGE
+    """Image used when a CR leaves `spec.image` empty; must itself match `allowedImages`."""
+    allowed_images: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=lambda: [DEFAULT_IMAGE_REPOSITORY])
+    """Image prefixes a CR may use in `spec.image`; anything else is rejected with a Failed condition."""
+    default_tpu_type: TpuType = "v5p"
+    """TPU type assumed when a CR omits `spec.tpu.type`."""
+    default_queue_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
+    """Kueue LocalQueue used when a CR omits `spec.queueName`; no Kueue label when both are empty."""
+    allow_host_network: bool = True
+    """Render `hostNetwork: true` on trainer pods: the documented exception to the restricted Pod
+    Security Standard that multi-host TPU slices need for fast DCN/ICI networking."""
+    watch_namespaces: list[Annotated[str, Field(pattern=DNS_LABEL, max_length=63)]] = Field(default_factory=list)
+    """Namespaces to watch; empty means the whole cluster."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Operator log level."""
+    progress_poll_seconds: Annotated[float, Field(gt=0, le=3600)] = 20
+    """How often the operator reads `<output.uri>/progress.json` of each Running CR."""
+    job_ttl_seconds_after_finished: Annotated[int, Field(ge=0)] = 86400
+    """`ttlSecondsAfterFinished` of the JobSets and Jobs the operator creates."""
+    export_resources: Resources = Field(
+        default_factory=lambda: Resources.model_validate(
+            {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "4", "memory": "32Gi"}}
+        )
+    )
+    """Requests/limits of the export and conversion Jobs (CPU pods: they read a checkpoint and write safetensors)."""
+
+    def image_allowed(self, image: str) -> bool:
+        """True when `image` starts with one of the allowed prefixes."""
+        return any(image.startswith(prefix) for prefix in self.allowed_images)
+
+
+class SettingsError(ValueError):
+    """The settings file is missing or invalid; the message names the file and the field."""
+
+
+def load_settings(path: str | Path | None) -> OperatorSettings:
+    """Parse the settings YAML; None means the defaults. Errors name the file and the field."""
+    if path is None:
+        return OperatorSettings()
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except OSError as e:
+        raise SettingsError(f"{p}: cannot read operator settings ({e.strerror}); pass an existing file to --settings") from e
+    except yaml.YAMLError as e:
+        raise SettingsError(f"{p}: not valid YAML ({e})") from e
+    if not isinstance(data, dict):
+        raise SettingsError(f"{p}: expected a mapping of settings, got {type(data).__name__}")
+    try:
+        settings = OperatorSettings.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise SettingsError(f"{p}: invalid operator settings: {problems}") from e
+    if not settings.image_allowed(settings.trainer_image):
+        raise SettingsError(
+            f"{p}: trainerImage {settings.trainer_image!r} is not covered by allowedImages {settings.allowed_images}; "
+            "add its repository to allowedImages"
+        )
+    return settings

@@ -1,0 +1,61 @@
+"""Operator settings: the contract with the Helm chart (camelCase names, defaults, clear errors)."""
+
+import pytest
+
+from lora_operator.settings import OperatorSettings, SettingsError, load_settings
+
+
+def test_defaults_match_the_documented_contract():
+    s = load_settings(None)
+    wire = s.to_wire()
+    assert wire["trainerImage"] == "ghcr.io/lora-operator/lora-trainer:0.1.0"
+    assert wire["allowedImages"] == ["ghcr.io/lora-operator/lora-trainer"]
+    assert wire["defaultTpuType"] == "v5p"
+    assert "defaultQueueName" not in wire
+    assert wire["allowHostNetwork"] is True
+    assert wire["watchNamespaces"] == []
+    assert wire["logLevel"] == "INFO"
+    assert wire["progressPollSeconds"] == 20
+    assert wire["jobTtlSecondsAfterFinished"] == 86400
+    assert set(wire["exportResources"]) == {"requests", "limits"}
+
+
+def test_yaml_file_with_camel_case_fields(tmp_path):
+    p = tmp_path / "settings.yaml"
+    p.write_text(
+        "trainerImage: europe-docker.pkg.dev/acme/ml/lora-trainer:1.2\n"
+        "allowedImages: [europe-docker.pkg.dev/acme/ml/]\n"
+        "defaultQueueName: tpu-queue\nallowHostNetwork: false\nwatchNamespaces: [ml, research]\n"
+        "progressPollSeconds: 5\nexportResources: {requests: {cpu: '1', memory: 4Gi}}\n"
+    )
+    s = load_settings(p)
+    assert s.default_queue_name == "tpu-queue"
+    assert s.allow_host_network is False
+    assert s.watch_namespaces == ["ml", "research"]
+    assert s.progress_poll_seconds == 5
+    assert s.image_allowed("europe-docker.pkg.dev/acme/ml/lora-trainer:9")
+    assert not s.image_allowed("docker.io/evil/miner:latest")
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("trainerImage: docker.io/x/y:1\n", "allowedImages"),
+        ("progressPollSeconds: 0\n", "progressPollSeconds"),
+        ("trainerImag: x\n", "trainerImag"),
+        ("watchNamespaces: [Bad_NS]\n", "watchNamespaces"),
+        ("- a\n- b\n", "mapping"),
+    ],
+)
+def test_bad_settings_name_the_file_and_field(tmp_path, text, needle):
+    p = tmp_path / "s.yaml"
+    p.write_text(text)
+    with pytest.raises(SettingsError, match=needle) as e:
+        load_settings(p)
+    assert str(p) in str(e.value)
+
+
+def test_missing_file_says_so(tmp_path):
+    with pytest.raises(SettingsError, match="cannot read"):
+        load_settings(tmp_path / "nope.yaml")
+
