@@ -1,0 +1,265 @@
+"""Local paths and `gs://` URIs behind one small set of functions.
+
+Why one module: the trainer, the exporter and the operator's progress reader all move
+bytes between a bucket and a local disk, and each output must appear only when complete.
+Keeping that in one place gives one answer to "is this written yet?" and one place that
+turns storage faults into the exit-code table (missing things are the user's to fix;
+outages are retriable).
+
+`gs://` goes through google-cloud-storage, which honours `STORAGE_EMULATOR_HOST` (tests
+point it at a gcp-storage-emulator on loopback). It is imported lazily so that a
+local-only run never needs credentials. Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from lora_trainer.errors import RetriableError, UserError
+
+GS = "gs://"
+
+
+def is_gcs(uri: str) -> bool:
+    """True for `gs://bucket/...` URIs."""
+    return str(uri).startswith(GS)
+
+
+def local_path(uri: str | os.PathLike[str]) -> Path:
+    """The filesystem path of a local URI (`file:///x` or a plain path)."""
+    s = os.fspath(uri)
+    if is_gcs(s):
+        raise ValueError(f"{s} is not a local path")
+    return Path(s[len("file://") :] if s.startswith("file://") else s)
+
+
+def join(uri: str, *parts: str) -> str:
+    """Join path parts onto a local path or a gs:// URI."""
+    s = os.fspath(uri)
+    if is_gcs(s):
+        return "/".join([s.rstrip("/"), *(p.strip("/") for p in parts)])
+    return str(local_path(s).joinpath(*parts))
+
+
+def split_gcs(uri: str) -> tuple[str, str]:
+    """`gs://bucket/a/b` -> ("bucket", "a/b")."""
+    bucket, _, blob = uri[len(GS) :].partition("/")
+    if not bucket:
+        raise UserError(f"{uri!r} has no bucket name; write gs://BUCKET/PATH")
+    return bucket, blob.strip("/")
+
+
+@lru_cache(maxsize=1)
+def _client() -> Any:
+    """One google-cloud-storage client per process (it honours STORAGE_EMULATOR_HOST)."""
+    from google.cloud import storage
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+
+        return storage.Client(project="local", credentials=AnonymousCredentials())
+    return storage.Client()
+
+
+@contextlib.contextmanager
+def _gcs_errors(uri: str) -> Iterator[None]:
+    """Map google-cloud-storage exceptions onto the exit-code table, naming the URI."""
+    from google.api_core import exceptions as gexc
+
+    try:
+        yield
+    except gexc.NotFound as e:
+        raise UserError(f"{uri} does not exist (bucket or object not found): check the URI and that the bucket exists") from e
+    except gexc.Forbidden as e:
+        raise UserError(
+            f"access to {uri} was denied: give the pod's service account (Workload Identity) read/write on the bucket"
+        ) from e
+    except (gexc.ServiceUnavailable, gexc.InternalServerError, gexc.TooManyRequests, gexc.GatewayTimeout) as e:
+        raise RetriableError(f"storage outage while accessing {uri}: {e}") from e
+    except (ConnectionError, TimeoutError) as e:
+        raise RetriableError(f"cannot reach storage for {uri}: {e}") from e
+
+
+def _blob(uri: str) -> Any:
+    bucket, name = split_gcs(uri)
+    return _client().bucket(bucket).blob(name)
+
+
+def read_bytes(uri: str) -> bytes:
+    """Whole file or object; a missing one is a UserError naming it."""
+    if is_gcs(uri):
+        with _gcs_errors(uri):
+            return _blob(uri).download_as_bytes()
+    path = local_path(uri)
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as e:
+        raise UserError(f"{path} does not exist: check the path") from e
+
+
+def read_text(uri: str) -> str:
+    """Whole file or object as UTF-8 text."""
+    return read_bytes(uri).decode("utf-8")
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write atomically: readers see the old content or the new, never a torn file.
+
+    Locally via a temporary sibling and `os.replace`; a GCS object upload is atomic by itself.
+    """
+    if is_gcs(uri):
+        with _gcs_errors(uri):
+            _blob(uri).upload_from_string(data)
+        return
+    path = local_path(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_text(uri: str, text: str) -> None:
+    """`write_bytes` for UTF-8 text."""
+    write_bytes(uri, text.encode("utf-8"))
+
+
+def exists(uri: str) -> bool:
+    """A file/object exists, or (gs://) any object lies under the prefix."""
+    if not is_gcs(uri):
+        return local_path(uri).exists()
+    bucket, name = split_gcs(uri)
+    with _gcs_errors(uri):
+        if name and _blob(uri).exists():
+            return True
+        prefix = f"{name}/" if name else ""
+        return any(True for _ in _client().list_blobs(bucket, prefix=prefix, max_results=1))
+
+
+def listdir(uri: str) -> list[str]:
+    """Names directly under a directory (gs://: the next path component of every object)."""
+    if not is_gcs(uri):
+        path = local_path(uri)
+        return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    bucket, name = split_gcs(uri)
+    prefix = f"{name}/" if name else ""
+    with _gcs_errors(uri):
+        names = {b.name[len(prefix) :].split("/", 1)[0] for b in _client().list_blobs(bucket, prefix=prefix)}
+    return sorted(n for n in names if n)
+
+
+def _walk_gcs(uri: str) -> Iterator[tuple[str, Any]]:
+    """(relative path, blob) for every object under a gs:// directory."""
+    bucket, name = split_gcs(uri)
+    prefix = f"{name}/" if name else ""
+    with _gcs_errors(uri):
+        for blob in _client().list_blobs(bucket, prefix=prefix):
+            rel = blob.name[len(prefix) :]
+            if rel and not rel.endswith("/"):
+                yield rel, blob
+
+
+def download_dir(uri: str, dest: str | os.PathLike[str]) -> Path:
+    """Copy every file under `uri` into the local directory `dest`; a missing source is a UserError."""
+    dest_path = Path(dest)
+    if not is_gcs(uri):
+        src = local_path(uri)
+        if not src.is_dir():
+            raise UserError(f"{src} is not a directory: check the path")
+        shutil.copytree(src, dest_path, dirs_exist_ok=True)
+        return dest_path
+    found = False
+    for rel, blob in _walk_gcs(uri):
+        found = True
+        target = dest_path / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _gcs_errors(f"{uri.rstrip('/')}/{rel}"):
+            blob.download_to_filename(str(target))
+    if not found:
+        raise UserError(f"{uri} holds no files: check the URI")
+    return dest_path
+
+
+def upload_dir(src: str | os.PathLike[str], uri: str) -> None:
+    """Copy every file under the local directory `src` to `uri` (a local path or gs://)."""
+    src_path = Path(src)
+    files = sorted(p for p in src_path.rglob("*") if p.is_file())
+    if not is_gcs(uri):
+        dest = local_path(uri)
+        for p in files:
+            target = dest / p.relative_to(src_path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(p, target)
+        return
+    for p in files:
+        target_uri = join(uri, str(p.relative_to(src_path)))
+        with _gcs_errors(target_uri):
+            _blob(target_uri).upload_from_filename(str(p))
+
+
+@contextlib.contextmanager
+def local_dir(uri: str) -> Iterator[Path]:
+    """A local directory holding the files of `uri`: the path itself when local, a temporary download for gs://."""
+    if not is_gcs(uri):
+        path = local_path(uri)
+        if not path.is_dir():
+            raise UserError(f"{path} is not a directory: check the path")
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="lora-dl-") as tmp:
+        yield download_dir(uri, tmp)
+
+
+#: Written last into a published gs:// directory; readers that need completeness check for it.
+COMPLETE_MARKER = "_COMPLETE"
+
+
+@contextlib.contextmanager
+def staged_output_dir(uri: str) -> Iterator[Path]:
+    """Yield a local staging directory; publish it to `uri` only if the block succeeds.
+
+    Locally the staging directory is a hidden sibling that is renamed into place, so the
+    output appears whole or not at all (an existing output is replaced). On gs:// the files
+    are uploaded after success and a `_COMPLETE` marker object is written last; on failure
+    nothing is uploaded. Either way a failed export leaves no directory that looks valid.
+    """
+    if is_gcs(uri):
+        with tempfile.TemporaryDirectory(prefix="lora-stage-") as tmp:
+            yield Path(tmp)
+            if exists(uri):
+                delete_tree(uri)
+            upload_dir(tmp, uri)
+            write_text(join(uri, COMPLETE_MARKER), "")
+        return
+    dest = local_path(uri)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex}")
+        os.replace(dest, old)
+        os.replace(stage, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(stage, dest)
+
+
+def delete_tree(uri: str) -> None:
+    """Remove a directory (every object under a gs:// prefix)."""
+    if not is_gcs(uri):
+        shutil.rmtree(local_path(uri), ignore_errors=True)
+        return
+    for _rel, blob in list(_walk_gcs(uri)):
+        with _gcs_errors(uri):
+            blob.delete()
