@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lora_trainer.config import (
     OUTPUT_URI_PATTERN,
@@ -24,6 +24,7 @@ from lora_trainer.config import (
     TrainConfig,
     TrainingSpec,
 )
+from lora_operator.tpu import CATALOG
 
 GROUP = "lora-operator.dev"
 VERSION = "v1alpha1"
@@ -43,12 +44,21 @@ QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 
 
 class TpuSpec(ApiModel):
-    type: TpuType = "v5p"
-    """TPU generation: v4, v5e, v5p, v6e or tpu7x (Ironwood)."""
-    topology: Annotated[str, Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*(x[1-9][0-9]*)?$")] = "2x2x1"
-    """Slice topology as GKE names it, e.g. `2x2x2` (v4, v5p, tpu7x) or `4x4` (v5e, v6e); must be offered by GKE for the type."""
+    type: TpuType | None = None
+    """TPU generation: v4, v5e, v5p, v6e or tpu7x (Ironwood). Default: the operator's `defaultTpuType` (v5p unless the admin changed it)."""
+    topology: Annotated[str, Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*(x[1-9][0-9]*)?$", max_length=16)] | None = None
+    """Slice topology as GKE names it, e.g. `2x2x2` (v4, v5p, tpu7x) or `4x4` (v5e, v6e); must be offered by GKE for the type. Default: the type's smallest slice."""
     slices: Annotated[int, Field(ge=1, le=64)] = 1
     """Number of slices (multislice over DCN); each slice is one replica of the JobSet's replicatedJob."""
+
+    @model_validator(mode="after")
+    def _topology_offered(self) -> TpuSpec:
+        if self.type is not None and self.topology is not None and self.topology not in CATALOG[self.type].topologies:
+            raise ValueError(
+                f"spec.tpu.topology {self.topology!r} is not offered by GKE for {self.type}; "
+                f"use one of {', '.join(CATALOG[self.type].topologies)}"
+            )
+        return self
 
 
 class ResourceList(ApiModel):
@@ -209,6 +219,12 @@ class AdapterConversionSpec(ApiModel):
         if not re.match(OUTPUT_URI_PATTERN, v.uri):
             raise ValueError("target.uri must be a local path or gs:// URI (hf:// is read-only)")
         return v
+
+    @model_validator(mode="after")
+    def _merged_is_hf(self) -> AdapterConversionSpec:
+        if self.merged and self.target.format != "hf-peft":
+            raise ValueError("merged: true writes an HF model, so target.format must be hf-peft")
+        return self
 
 
 class AdapterConversionStatus(ApiModel):
