@@ -1,0 +1,112 @@
+"""PEFT's file format: what we write PEFT reads, and adapters we cannot express are refused by name."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lora_trainer.adapters import peft_format as pf
+from lora_trainer.errors import UserError
+
+MODULE = "model.layers.0.self_attn.q_proj"
+
+
+def _adapter(rank: int = 4) -> pf.PeftLoraAdapter:
+    rng = np.random.default_rng(0)
+    modules = {
+        MODULE: (rng.standard_normal((rank, 32), np.float32), rng.standard_normal((32, rank), np.float32)),
+        "model.layers.0.mlp.down_proj": (rng.standard_normal((rank, 48), np.float32), rng.standard_normal((32, rank), np.float32)),
+    }
+    return pf.PeftLoraAdapter(pf.LoraHyper(rank=rank, alpha=8.0, target_modules=("down_proj", "q_proj"), base_model="gs://b/m"), modules)
+
+
+def _written(tmp_path: Path, **config_overrides) -> Path:
+    d = tmp_path / "ad"
+    d.mkdir()
+    pf.write_peft_adapter(d, _adapter())
+    if config_overrides:
+        cfg = json.loads((d / pf.CONFIG_NAME).read_text())
+        cfg.update(config_overrides)
+        (d / pf.CONFIG_NAME).write_text(json.dumps(cfg))
+    return d
+
+
+def test_round_trip_is_bitwise_and_peft_reads_it(tmp_path):
+    from peft import LoraConfig
+    from peft.utils import load_peft_weights
+
+    d = _written(tmp_path)
+    back = pf.read_peft_adapter(d)
+    assert back.hyper == _adapter().hyper
+    for name, (a, b) in _adapter().modules.items():
+        assert np.array_equal(back.modules[name][0], a) and np.array_equal(back.modules[name][1], b)
+
+    cfg = LoraConfig.from_pretrained(str(d))
+    assert (cfg.r, cfg.lora_alpha, cfg.use_rslora, cfg.bias) == (4, 8, False, "none")
+    assert set(cfg.target_modules) == {"q_proj", "down_proj"}
+    weights = load_peft_weights(str(d), device="cpu")
+    assert tuple(weights[f"base_model.model.{MODULE}.lora_A.weight"].shape) == (4, 32)
+    assert tuple(weights[f"base_model.model.{MODULE}.lora_B.weight"].shape) == (32, 4)
+
+
+def test_rslora_is_folded_into_alpha(tmp_path):
+    hyper = pf.read_peft_adapter(_written(tmp_path, use_rslora=True, lora_alpha=8)).hyper
+    assert hyper.scale == pytest.approx(8 / math.sqrt(4), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "lora_only"}, "trains biases"),
+        ({"lora_bias": True}, "trains biases"),
+        ({"peft_type": "IA3"}, "only LoRA adapters"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"rank_pattern": {"q_proj": 8}}, "per-module ranks"),
+        ({"r": 0}, "r must be a positive integer"),
+    ],
+)
+def test_features_plain_lora_cannot_express_are_refused(tmp_path, override, message):
+    with pytest.raises(UserError, match=message):
+        pf.read_peft_adapter(_written(tmp_path, **override))
+
+
+def test_rank_mismatch_names_the_tensor(tmp_path):
+    with pytest.raises(UserError, match=r"lora_A\.weight.*r=8 \(rank mismatch"):
+        pf.read_peft_adapter(_written(tmp_path, r=8, lora_alpha=16))
+
+
+def test_missing_config_names_the_file(tmp_path):
+    d = _written(tmp_path)
+    (d / pf.CONFIG_NAME).unlink()
+    with pytest.raises(UserError, match="adapter_config.json does not exist"):
+        pf.read_peft_adapter(d)
+
+
+def test_truncated_weights_name_the_file(tmp_path):
+    d = _written(tmp_path)
+    data = (d / pf.WEIGHTS_NAME).read_bytes()
+    (d / pf.WEIGHTS_NAME).write_bytes(data[: len(data) - 100])
+    with pytest.raises(UserError, match=r"adapter_model\.safetensors is not a readable safetensors file.*truncated"):
+        pf.read_peft_adapter(d)
+
+
+def test_nan_and_stray_keys_name_the_key(tmp_path):
+    from safetensors.numpy import save_file
+
+    d = _written(tmp_path)
+    a = np.ones((4, 32), np.float32)
+    a[1, 2] = np.nan
+    save_file({f"base_model.model.{MODULE}.lora_A.weight": a, f"base_model.model.{MODULE}.lora_B.weight": np.ones((32, 4), np.float32)}, str(d / pf.WEIGHTS_NAME))
+    with pytest.raises(UserError, match=r"q_proj\.lora_A\.weight.*NaN or Inf"):
+        pf.read_peft_adapter(d)
+    save_file({f"base_model.model.{MODULE}.lora_magnitude_vector": np.ones(32, np.float32)}, str(d / pf.WEIGHTS_NAME))
+    with pytest.raises(UserError, match="lora_magnitude_vector.*not a LoRA weight"):
+        pf.read_peft_adapter(d)
+    save_file({f"base_model.model.{MODULE}.lora_A.weight": np.ones((4, 32), np.float32)}, str(d / pf.WEIGHTS_NAME))
+    with pytest.raises(UserError, match="no lora_B.weight"):
+        pf.read_peft_adapter(d)

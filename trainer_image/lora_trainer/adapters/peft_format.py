@@ -1,0 +1,239 @@
+"""HF PEFT's on-disk LoRA format: read, validate and write one adapter directory.
+
+The format is the contract with the rest of the ecosystem (transformers, vLLM, hubs):
+`adapter_config.json` plus `adapter_model.safetensors` whose keys are
+`base_model.model.<module>.lora_A.weight` ([r, in]) and `<module>.lora_B.weight` ([out, r]).
+
+Why validate here, before any model is touched: an adapter made elsewhere may use PEFT
+features that a plain LoRA cannot express (DoRA, trained biases, extra full modules,
+per-module ranks). Importing those silently would give a model that runs and is wrong,
+so every such feature is refused with a message that names it. rsLoRA is the exception:
+its `alpha / sqrt(r)` scale is folded exactly into an equivalent `alpha` (scale = alpha / r),
+which is what the JAX side (Qwix) applies.
+
+Pure file I/O on a local directory (no JAX, no torch); callers stage gs:// through
+`lora_trainer.storage`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from lora_trainer.errors import UserError
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+#: PEFT prefixes every key with the wrapper path of `PeftModelForCausalLM`.
+KEY_PREFIX = "base_model.model."
+_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class LoraHyper:
+    """The adapter-wide LoRA settings, normalised so that the update is `B @ A * alpha / rank`."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ()
+    """HF short module names (e.g. `q_proj`), sorted."""
+    base_model: str | None = None
+    """`base_model_name_or_path`: where the base model lives (URI or hub id), if known."""
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class PeftLoraAdapter:
+    """A LoRA adapter in PEFT's layout: HF module name -> (A [r, in], B [out, r])."""
+
+    hyper: LoraHyper
+    modules: Mapping[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+def _config_error(path: Path, what: str) -> UserError:
+    return UserError(f"{path}: {what}")
+
+
+def _nonempty(value: Any) -> bool:
+    return value not in (None, False, "", [], {}, ())
+
+
+def parse_config(raw: Mapping[str, Any], path: Path) -> LoraHyper:
+    """Check an `adapter_config.json` for features a plain LoRA cannot express and normalise it.
+
+    `path` is only used to name the file in errors.
+    """
+    peft_type = str(raw.get("peft_type", "")).upper()
+    if peft_type != "LORA":
+        raise _config_error(
+            path,
+            f"peft_type is {raw.get('peft_type')!r}; only LoRA adapters (peft_type LORA) can be converted. "
+            "Other PEFT methods (IA3, AdaLoRA, LoHa, prefix tuning, ...) have no LoRA equivalent.",
+        )
+    if raw.get("use_dora"):
+        raise _config_error(
+            path,
+            "use_dora is true: DoRA adapters carry a magnitude vector that a plain LoRA cannot express; "
+            "retrain without DoRA or merge the adapter into the base model with PEFT first.",
+        )
+    if str(raw.get("bias", "none")) != "none" or raw.get("lora_bias"):
+        raise _config_error(
+            path,
+            f"the adapter trains biases (bias={raw.get('bias')!r}, lora_bias={raw.get('lora_bias')!r}); "
+            "only bias-free LoRA adapters (bias: none) are supported.",
+        )
+    refused = {
+        "modules_to_save": "fully trained extra modules",
+        "rank_pattern": "per-module ranks",
+        "alpha_pattern": "per-module alphas",
+        "target_parameters": "LoRA on raw parameters (MoE experts)",
+        "trainable_token_indices": "trained token embeddings",
+        "layer_replication": "replicated layers",
+        "use_qalora": "QA-LoRA pooling",
+    }
+    for key, meaning in refused.items():
+        if _nonempty(raw.get(key)):
+            raise _config_error(path, f"{key} is set ({meaning}): this is not a plain LoRA adapter and cannot be converted.")
+    if raw.get("fan_in_fan_out"):
+        raise _config_error(path, "fan_in_fan_out is true (Conv1D-style GPT-2 weights); these model families use Linear layers.")
+
+    r = raw.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise _config_error(path, f"r must be a positive integer, got {r!r}")
+    alpha = raw.get("lora_alpha", r)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0 or not math.isfinite(alpha):
+        raise _config_error(path, f"lora_alpha must be a positive number, got {alpha!r}")
+    alpha = float(alpha)
+    if raw.get("use_rslora"):
+        # PEFT scales rsLoRA by alpha / sqrt(r); an alpha of alpha * sqrt(r) gives the same scale under alpha / r.
+        alpha = alpha * math.sqrt(r)
+    dropout = raw.get("lora_dropout", 0.0) or 0.0
+    targets = raw.get("target_modules") or ()
+    if isinstance(targets, str):  # PEFT allows one regex; the tensors say which modules it matched.
+        targets = ()
+    base = raw.get("base_model_name_or_path")
+    return LoraHyper(
+        rank=r,
+        alpha=alpha,
+        dropout=float(dropout),
+        target_modules=tuple(sorted(str(t) for t in targets)),
+        base_model=str(base) if base else None,
+    )
+
+
+def config_json(hyper: LoraHyper) -> dict[str, Any]:
+    """The `adapter_config.json` PEFT itself would write for this adapter (plain LoRA, no rsLoRA)."""
+    return {
+        "alpha_pattern": {},
+        "base_model_name_or_path": hyper.base_model,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "lora_alpha": int(hyper.alpha) if float(hyper.alpha).is_integer() else hyper.alpha,
+        "lora_bias": False,
+        "lora_dropout": hyper.dropout,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": hyper.rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": sorted(hyper.target_modules),
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": False,
+    }
+
+
+def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of a safetensors file; a truncated or corrupt file is a UserError naming it."""
+    try:
+        with safe_open(str(path), framework="np") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(
+            f"{path} is not a readable safetensors file ({e}); it may be truncated or corrupt: copy it again"
+        ) from e
+
+
+def group_modules(tensors: Mapping[str, np.ndarray], hyper: LoraHyper, path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Pair `lora_A`/`lora_B` tensors per module and check names, ranks and values."""
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    for key, arr in tensors.items():
+        m = _KEY_RE.match(key)
+        if m is None:
+            raise UserError(
+                f"{path}: tensor {key!r} is not a LoRA weight (expected base_model.model.<module>.lora_A.weight or "
+                ".lora_B.weight); embeddings LoRA, biases, DoRA magnitudes and saved full modules are not supported"
+            )
+        if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
+            raise UserError(f"{path}: tensor {key!r} has dtype {arr.dtype}, expected a floating-point dtype")
+        if arr.ndim != 2:
+            raise UserError(f"{path}: tensor {key!r} has shape {list(arr.shape)}, expected a 2-D matrix")
+        r_axis = 0 if m["ab"] == "A" else 1
+        if arr.shape[r_axis] != hyper.rank:
+            raise UserError(
+                f"{path}: tensor {key!r} has shape {list(arr.shape)} but adapter_config.json says r={hyper.rank} "
+                f"(rank mismatch: lora_A is [r, in], lora_B is [out, r])"
+            )
+        if not np.isfinite(arr.astype(np.float32, copy=False)).all():
+            raise UserError(f"{path}: tensor {key!r} holds NaN or Inf values; the adapter is broken (retrain or re-export it)")
+        halves.setdefault(m["module"], {})[m["ab"]] = arr
+    if not halves:
+        raise UserError(f"{path} holds no LoRA tensors")
+    modules: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for module, ab in sorted(halves.items()):
+        missing = {"A", "B"} - ab.keys()
+        if missing:
+            raise UserError(f"{path}: module {module!r} has no lora_{missing.pop()}.weight (each module needs lora_A and lora_B)")
+        modules[module] = (ab["A"], ab["B"])
+    return modules
+
+
+def read_peft_adapter(directory: Path) -> PeftLoraAdapter:
+    """Read and validate the PEFT adapter in a local directory."""
+    config_path = directory / CONFIG_NAME
+    weights_path = directory / WEIGHTS_NAME
+    if not config_path.is_file():
+        raise UserError(
+            f"{config_path} does not exist: an HF PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}"
+        )
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{config_path} is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise UserError(f"{config_path} must hold a JSON object")
+    hyper = parse_config(raw, config_path)
+    if not weights_path.is_file():
+        hint = " (pickled adapter_model.bin files are not read: re-save with safe_serialization=True)" if (
+            directory / "adapter_model.bin"
+        ).exists() else ""
+        raise UserError(f"{weights_path} does not exist{hint}")
+    modules = group_modules(_read_tensors(weights_path), hyper, weights_path)
+    return PeftLoraAdapter(hyper=hyper, modules=modules)
+
+
+def write_peft_adapter(directory: Path, adapter: PeftLoraAdapter) -> None:
+    """Write `adapter_config.json` and `adapter_model.safetensors` into an existing local directory."""
+    tensors: dict[str, np.ndarray] = {}
+    for module, (a, b) in sorted(adapter.modules.items()):
+        tensors[f"{KEY_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(a)
+        tensors[f"{KEY_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b)
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    (directory / CONFIG_NAME).write_text(json.dumps(config_json(adapter.hyper), indent=2, sort_keys=True) + "\n")
