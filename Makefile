@@ -20,7 +20,7 @@ test: install
 	$(PY) -m pytest -q
 
 crds: install
-	$(VENV)/bin/lora-operator crds --out crds/ --chart charts/lora-operator/crds/
+	$(VENV)/bin/lora-operator crds --out crds --out charts/lora-operator/crds
 
 examples/tiny-llama/config.json: install
 	$(PY) examples/make_tiny_model.py --out examples/tiny-llama
