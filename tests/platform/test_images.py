@@ -1,0 +1,81 @@
+"""The two images install what pyproject.toml pins and run what the operator renders.
+
+No Docker engine here: the Dockerfiles are parsed (tests/platform/dockerfile.py)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import dockerfile
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATOR_DOCKERFILE = ROOT / "Dockerfile"
+TRAINER_DOCKERFILE = ROOT / "trainer_image" / "Dockerfile"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def pins(requirements: list[str]) -> dict[str, str]:
+    """`name==version` requirements as {normalised name: version}."""
+    out = {}
+    for req in requirements:
+        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)(\[[^\]]*\])?==([^;\s]+)", req.strip())
+        assert m, f"pyproject requirement {req!r} is not pinned with =="
+        out[m.group(1).lower().replace("_", "-")] = m.group(3)
+    return out
+
+
+def constraints() -> dict[str, str]:
+    lines = [x for x in (ROOT / "constraints.txt").read_text().splitlines() if x.strip() and not x.startswith("#")]
+    return {k: v.split("+")[0] for k, v in pins(lines).items()}
+
+
+def test_every_pyproject_pin_is_in_constraints() -> None:
+    """The images install with `-c constraints.txt`: the two must agree, or an image drifts from CI."""
+    c = constraints()
+    declared = PYPROJECT["project"]["dependencies"] + [r for extra in PYPROJECT["project"]["optional-dependencies"].values() for r in extra]
+    for name, version in pins(declared).items():
+        assert c.get(name) == version, f"{name}=={version} in pyproject.toml but {c.get(name)!r} in constraints.txt"
+
+
+@pytest.mark.parametrize("path", [OPERATOR_DOCKERFILE, TRAINER_DOCKERFILE], ids=["operator", "trainer"])
+def test_image_is_slim_python_of_the_supported_version_and_non_root(path: Path) -> None:
+    stage = dockerfile.final_stage(path)
+    base = stage[0].args
+    assert re.fullmatch(r"python:3\.11(\.\d+)?-slim(-\w+)?", base), f"{path.name}: base {base!r} is not a slim Python 3.11"
+    assert PYPROJECT["project"]["requires-python"] == ">=3.11,<3.12"
+    users = [i.args for i in stage if i.keyword == "USER"]
+    assert users, f"{path.name}: final stage has no USER (would run as root)"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, f"{path.name}: USER {users[-1]!r} must be a numeric non-root UID (runAsNonRoot needs one)"
+
+
+def test_operator_image_installs_only_the_operator_extra_pinned() -> None:
+    (install,) = dockerfile.pip_installs(OPERATOR_DOCKERFILE)
+    assert install.constraints == ("constraints.txt",)
+    assert install.requirements == ('.[operator]',)
+    assert dockerfile.exec_form(OPERATOR_DOCKERFILE, "ENTRYPOINT") == ["lora-operator", "run"]
+    copied = " ".join(i.args for i in dockerfile.instructions(OPERATOR_DOCKERFILE) if i.keyword == "COPY")
+    assert "constraints.txt" in copied and "pyproject.toml" in copied
+
+
+def test_chart_runs_the_operator_image_as_its_user() -> None:
+    values = (ROOT / "charts" / "lora-operator" / "values.yaml").read_text()
+    user = [i.args for i in dockerfile.final_stage(OPERATOR_DOCKERFILE) if i.keyword == "USER"][-1]
+    uid, gid = user.split(":")
+    assert f"runAsUser: {uid}" in values and f"runAsGroup: {gid}" in values
+
+
+def test_trainer_image_installs_pinned_jax_for_tpu_and_the_trainer_extra() -> None:
+    (install,) = dockerfile.pip_installs(TRAINER_DOCKERFILE)
+    assert install.constraints == ("constraints.txt",)
+    trainer_pins = pins(PYPROJECT["project"]["optional-dependencies"]["trainer"])
+    assert f"jax[tpu]=={trainer_pins['jax']}" in install.requirements
+    assert ".[trainer]" in install.requirements
+    assert not [r for r in install.requirements if r.startswith(".[") and r != ".[trainer]"], "only the trainer extra"
+    assert dockerfile.exec_form(TRAINER_DOCKERFILE, "ENTRYPOINT") == ["lora-trainer"]
+    scripts = PYPROJECT["project"]["scripts"]
+    assert scripts["lora-trainer"] == "lora_trainer.cli:main" and scripts["lora-operator"] == "lora_operator.cli:main"
