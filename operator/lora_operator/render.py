@@ -1,0 +1,464 @@
+"""Spec -> child objects (ConfigMap, JobSet, export Jobs, conversion Job). Pure functions.
+
+Nothing here talks to Kubernetes: handlers call these and create what they return, tests and
+`lora-operator render -f CR.yaml` print them. Children get deterministic names (so a retried or
+restarted operator finds what it already created), the CR's labels and a controller owner
+reference (so deletion cascades without a finalizer).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from lora_operator.api import API_VERSION, AdapterConversionSpec, LoraFinetuneSpec, Resources
+from lora_operator.settings import OperatorSettings, SettingsError, load_settings
+from lora_operator.tpu import TPU_RESOURCE, CATALOG, SliceShape, TopologyError, slice_shape
+from lora_trainer import exit_codes
+from lora_trainer.config import dump_train_config
+
+Manifest = dict[str, Any]
+M = TypeVar("M", bound=BaseModel)
+
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+REPLICATED_JOB = "slice"
+TRAINER_CONTAINER = "trainer"
+COORDINATOR_PORT = 8476
+CONFIG_DIR = "/etc/lora-operator"
+CONFIG_KEY = "config.json"
+MANAGED_BY = "lora-operator"
+#: Label tying every child to its CR; handlers watch children by it.
+LFT_LABEL = "lora-operator.dev/lorafinetune"
+ADC_LABEL = "lora-operator.dev/adapterconversion"
+COMPONENT_LABEL = "lora-operator.dev/component"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+#: Longest CR name whose pod hostnames (`<name>-slice-<job>-<pod>`) stay within 63 characters.
+MAX_NAME = 40
+
+
+class InvalidSpec(ValueError):
+    """The CR cannot be run as written; `field` is the offending path, the message says the fix."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The CR a child belongs to."""
+
+    kind: str
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Owner:
+        meta = body.get("metadata", {})
+        return cls(body["kind"], meta["name"], meta.get("namespace") or "default", meta.get("uid") or "")
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": self.kind,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ChildNames:
+    """Deterministic child names of a LoraFinetune."""
+
+    jobset: str
+    config_map: str
+    export: str
+    export_merged: str
+
+    @classmethod
+    def of(cls, name: str) -> ChildNames:
+        return cls(name, f"{name}-config", f"{name}-export", f"{name}-export-merged")
+
+
+def conversion_job_name(name: str) -> str:
+    return f"{name}-convert"
+
+
+def _fields(e: ValidationError) -> str:
+    return "; ".join(f"spec.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+
+
+def parse_spec(model: type[M], body: dict[str, Any]) -> M:
+    """Validate a CR's spec with the API model; errors name every bad field."""
+    try:
+        return model.model_validate(body.get("spec") or {})
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise InvalidSpec(
+            f"spec.{'.'.join(str(x) for x in first['loc'])}", f"invalid spec ({_fields(e)}); fix the manifest and re-apply"
+        ) from e
+
+
+def check_name(name: str) -> None:
+    if len(name) > MAX_NAME:
+        raise InvalidSpec("metadata.name", f"{name!r} is {len(name)} characters; use at most {MAX_NAME} (pod hostnames are limited to 63)")
+
+
+def resolve_image(image: str | None, settings: OperatorSettings) -> str:
+    """The image to run; a CR image outside the allowlist is refused."""
+    if image is None:
+        return settings.trainer_image
+    if not settings.image_allowed(image):
+        raise InvalidSpec(
+            "spec.image",
+            f"image {image!r} is not allowed; use an image under one of {settings.allowed_images} "
+            "(or ask the platform admin to extend allowedImages)",
+        )
+    return image
+
+
+def resolve_tpu(spec: LoraFinetuneSpec, settings: OperatorSettings) -> SliceShape:
+    """Type (default from settings) and topology (default: the type's smallest slice) -> slice shape."""
+    tpu_type = spec.tpu.type or settings.default_tpu_type
+    topology = spec.tpu.topology or CATALOG[tpu_type].topologies[0]
+    try:
+        return slice_shape(tpu_type, topology)
+    except TopologyError as e:
+        raise InvalidSpec("spec.tpu.topology", str(e)) from e
+
+
+def tpu_summary(shape: SliceShape, slices: int) -> str:
+    """`v5p 2x2x2 x2`: what the TPU printer column shows."""
+    return f"{shape.type} {shape.topology} x{slices}"
+
+
+def _labels(owner: Owner, component: str) -> dict[str, str]:
+    key = LFT_LABEL if owner.kind == "LoraFinetune" else ADC_LABEL
+    return {"app.kubernetes.io/managed-by": MANAGED_BY, key: owner.name, COMPONENT_LABEL: component}
+
+
+def _metadata(owner: Owner, name: str, component: str, **extra_labels: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": {**_labels(owner, component), **extra_labels},
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def _resources(res: Resources | None, extra_limits: dict[str, str] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if res is not None:
+        for part in ("requests", "limits"):
+            values = getattr(res, part)
+            if values is not None:
+                out[part] = values.to_wire()
+    if extra_limits:
+        out.setdefault("limits", {}).update(extra_limits)
+        out.setdefault("requests", {}).update(extra_limits)
+    return out
+
+
+def _pod_security() -> dict[str, Any]:
+    """Pod-level restricted Pod Security Standard settings."""
+    return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _hf_token_env(spec: LoraFinetuneSpec) -> list[dict[str, Any]]:
+    ref = spec.hf_token_secret_ref
+    if ref is None:
+        return []
+    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def _field_ref(path: str) -> dict[str, Any]:
+    return {"fieldRef": {"fieldPath": path}}
+
+
+def distributed_env(jobset: str, shape: SliceShape, slices: int) -> list[dict[str, Any]]:
+    """What `lora_trainer.distributed` reads to call `jax.distributed.initialize` (process id =
+    LORA_JOB_INDEX * LORA_HOSTS_PER_SLICE + JOB_COMPLETION_INDEX) and, for several slices, MEGASCALE_*."""
+    coordinator_host = f"{jobset}-{REPLICATED_JOB}-0-0.{jobset}"
+    env: list[dict[str, Any]] = [
+        {"name": "JAX_COORDINATOR_ADDRESS", "value": f"{coordinator_host}:{COORDINATOR_PORT}"},
+        {"name": "JAX_PROCESS_COUNT", "value": str(shape.hosts * slices)},
+        {"name": "LORA_HOSTS_PER_SLICE", "value": str(shape.hosts)},
+        {"name": "LORA_JOB_INDEX", "valueFrom": _field_ref("metadata.labels['jobset.sigs.k8s.io/job-index']")},
+        {"name": "JOB_COMPLETION_INDEX", "valueFrom": _field_ref("metadata.annotations['batch.kubernetes.io/job-completion-index']")},
+    ]
+    if slices > 1:
+        env += [
+            {"name": "MEGASCALE_NUM_SLICES", "valueFrom": _field_ref("metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']")},
+            {"name": "MEGASCALE_SLICE_ID", "valueFrom": _field_ref("metadata.labels['jobset.sigs.k8s.io/job-index']")},
+            {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": coordinator_host},
+        ]
+    return env
+
+
+def pod_failure_policy() -> dict[str, Any]:
+    """Fail the Job (and so the JobSet) at once unless the trainer died of something a restart can fix."""
+    return {
+        "rules": [
+            {
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": TRAINER_CONTAINER,
+                    "operator": "NotIn",
+                    "values": exit_codes.retriable_exit_codes(),
+                },
+            }
+        ]
+    }
+
+
+def render_config_map(owner: Owner, spec: LoraFinetuneSpec) -> Manifest:
+    """The trainer's half of the spec as `config.json` (no secrets: the HF token is only a reference)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(owner, ChildNames.of(owner.name).config_map, "config"),
+        "data": {CONFIG_KEY: dump_train_config(spec.train_config())},
+    }
+
+
+def render_jobset(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettings) -> Manifest:
+    """One replicatedJob of `slices` Indexed Jobs, each `hosts` pods with `chips_per_host` TPU chips."""
+    check_name(owner.name)
+    shape = resolve_tpu(spec, settings)
+    image = resolve_image(spec.image, settings)
+    names = ChildNames.of(owner.name)
+    slices = spec.tpu.slices
+    queue = spec.queue_name or settings.default_queue_name
+    extra = {QUEUE_LABEL: queue} if queue else {}
+    meta = _metadata(owner, names.jobset, "trainer", **extra)
+    meta["annotations"] = {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
+    pod_labels = _labels(owner, "trainer")
+
+    container = {
+        "name": TRAINER_CONTAINER,
+        "image": image,
+        "command": ["lora-trainer", "train", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "env": [
+            *distributed_env(names.jobset, shape, slices),
+            *_hf_token_env(spec),
+            *({"name": e.name, "value": e.value} for e in spec.env),
+        ],
+        "resources": _resources(spec.resources, {TPU_RESOURCE: str(shape.chips_per_host)}),
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "nodeSelector": shape.node_selector,
+        "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "securityContext": _pod_security(),
+        "containers": [container],
+        "volumes": [
+            {"name": "config", "configMap": {"name": names.config_map}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+    if settings.allow_host_network:
+        pod_spec["hostNetwork"] = True
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.priority_class_name:
+        pod_spec["priorityClassName"] = spec.priority_class_name
+
+    job_spec = {
+        "parallelism": shape.hosts,
+        "completions": shape.hosts,
+        "completionMode": "Indexed",
+        "backoffLimit": 0,
+        "podFailurePolicy": pod_failure_policy(),
+        "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+    }
+    return {
+        "apiVersion": JOBSET_API,
+        "kind": "JobSet",
+        "metadata": meta,
+        "spec": {
+            "suspend": spec.suspend,
+            "ttlSecondsAfterFinished": settings.job_ttl_seconds_after_finished,
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "failurePolicy": {
+                "maxRestarts": spec.max_restarts,
+                "restartStrategy": "BlockingRecreate",
+                "rules": [{"name": "FailOnUserError", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}],
+            },
+            "replicatedJobs": [
+                {"name": REPLICATED_JOB, "replicas": slices, "template": {"metadata": {"labels": pod_labels}, "spec": job_spec}}
+            ],
+        },
+    }
+
+
+def _cpu_job(
+    owner: Owner,
+    name: str,
+    component: str,
+    command: list[str],
+    image: str,
+    settings: OperatorSettings,
+    *,
+    service_account: str | None,
+    resources: Resources | None,
+    env: list[dict[str, Any]],
+) -> Manifest:
+    """A single-pod Job (export, conversion): fail on the first error, no retries that would rewrite outputs."""
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": _pod_security(),
+        "containers": [
+            {
+                "name": component,
+                "image": image,
+                "command": command,
+                "env": env,
+                "resources": _resources(resources or settings.export_resources),
+                "securityContext": _container_security(),
+            }
+        ],
+    }
+    if service_account:
+        pod_spec["serviceAccountName"] = service_account
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(owner, name, component),
+        "spec": {
+            "backoffLimit": 0,
+            "ttlSecondsAfterFinished": settings.job_ttl_seconds_after_finished,
+            "template": {"metadata": {"labels": _labels(owner, component)}, "spec": pod_spec},
+        },
+    }
+
+
+def output_uris(spec: LoraFinetuneSpec) -> dict[str, str]:
+    """Where the export writes: `adapter` (HF PEFT) and/or `merged`."""
+    root = spec.output.uri.rstrip("/")
+    out = {}
+    if spec.output.export.hf_peft:
+        out["adapter"] = f"{root}/hf-adapter"
+    if spec.output.export.merged:
+        out["merged"] = f"{root}/merged"
+    return out
+
+
+def render_export_jobs(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettings) -> list[Manifest]:
+    """The post-training export: latest checkpoint -> HF PEFT adapter, and a merged model when asked."""
+    image = resolve_image(spec.image, settings)
+    names = ChildNames.of(owner.name)
+    checkpoints = f"{spec.output.uri.rstrip('/')}/checkpoints"
+    uris = output_uris(spec)
+    jobs = []
+    for key, name, flags in (("adapter", names.export, []), ("merged", names.export_merged, ["--merged"])):
+        if key in uris:
+            command = ["lora-trainer", "export", "--checkpoint", checkpoints, *flags, "--out", uris[key]]
+            jobs.append(
+                _cpu_job(
+                    owner, name, "export", command, image, settings,
+                    service_account=spec.service_account_name, resources=None, env=_hf_token_env(spec),
+                )
+            )
+    return jobs
+
+
+def render_conversion_job(owner: Owner, spec: AdapterConversionSpec, settings: OperatorSettings) -> Manifest:
+    """`lora-trainer convert` as a Job."""
+    check_name(owner.name)
+    image = resolve_image(spec.image, settings)
+    command = [
+        "lora-trainer", "convert",
+        "--from", spec.source.format, "--to", spec.target.format,
+        "--source", spec.source.uri, "--out", spec.target.uri,
+        "--base", spec.model.source,
+    ]
+    if spec.model.family:
+        command += ["--family", spec.model.family]
+    if spec.merged:
+        command.append("--merged")
+    return _cpu_job(
+        owner, conversion_job_name(owner.name), "convert", command, image, settings,
+        service_account=spec.service_account_name, resources=spec.resources, env=[],
+    )
+
+
+def render_lora_finetune(body: dict[str, Any], settings: OperatorSettings) -> list[Manifest]:
+    """Everything a LoraFinetune creates up front: the ConfigMap, then the JobSet."""
+    owner = Owner.from_body(body)
+    spec = parse_spec(LoraFinetuneSpec, body)
+    return [render_config_map(owner, spec), render_jobset(owner, spec, settings)]
+
+
+def render_all(body: dict[str, Any], settings: OperatorSettings) -> list[Manifest]:
+    """Every child of a CR, including the export Jobs created later (for `lora-operator render`)."""
+    kind = body.get("kind")
+    if kind == "LoraFinetune":
+        owner = Owner.from_body(body)
+        spec = parse_spec(LoraFinetuneSpec, body)
+        return [*render_lora_finetune(body, settings), *render_export_jobs(owner, spec, settings)]
+    if kind == "AdapterConversion":
+        return [render_conversion_job(Owner.from_body(body), parse_spec(AdapterConversionSpec, body), settings)]
+    raise InvalidSpec("kind", f"expected LoraFinetune or AdapterConversion, got {kind!r}")
+
+
+class _ManifestDumper(yaml.SafeDumper):
+    """YAML like kubectl writes it: no anchors/aliases, multi-line strings as literal blocks."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _str_presenter(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_ManifestDumper.add_representer(str, _str_presenter)
+
+
+def to_yaml(manifests: list[Manifest]) -> str:
+    """A YAML stream of manifests, as `kubectl apply -f -` reads it."""
+    return yaml.dump_all(manifests, Dumper=_ManifestDumper, sort_keys=False, width=120)
+
+
+def render_file(path: Path, *, settings_path: str | None = None) -> int:
+    """`lora-operator render -f CR.yaml`: print every child as one YAML stream; 2 on a bad manifest."""
+    try:
+        settings = load_settings(settings_path)
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        out = []
+        for doc in docs:
+            doc.setdefault("metadata", {}).setdefault("uid", "00000000-0000-0000-0000-000000000000")
+            out += render_all(doc, settings)
+    except (OSError, yaml.YAMLError, SettingsError, InvalidSpec, KeyError) as e:
+        print(f"lora-operator render: {path}: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(to_yaml(out))
+    return 0
