@@ -1,0 +1,287 @@
+"""Orbax checkpoints of a LoRA run, local or on gs://, that become visible only when complete.
+
+Layout (docs/dev/contracts.md): `<output>/checkpoints/<step>/` written by an Orbax
+`CheckpointManager` with the items
+  - `lora`: `{module_path: {"<weight>_lora_a": array, "<weight>_lora_b": array}}`,
+  - `optimizer`: the optax state of the LoRA parameters (training checkpoints only),
+  - `data`: the data iterator's position (JSON; training checkpoints only),
+  - `metadata`: what the adapter is (family, base model, rank, alpha, target regex, ...),
+so that export, conversion and resume need no repeated flags. An adapter-only checkpoint
+(`write_lora`, e.g. made by `convert hf-peft -> orbax`) has just `lora` and `metadata`.
+
+Why only Orbax's own completion check decides what exists: locally Orbax writes into a
+temporary directory and renames it; on gs:// it writes in place and adds
+`commit_success.txt` last, so a listed step directory there proves nothing. Every reader
+(resume, export, the operator's progress) goes through `committed_steps`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from lora_trainer import storage
+from lora_trainer.errors import RetriableError, UserError
+
+LORA = "lora"
+OPTIMIZER = "optimizer"
+DATA = "data"
+METADATA = "metadata"
+
+#: Keys every checkpoint's `metadata` item carries (contracts.md); `write_lora` refuses less.
+METADATA_KEYS = ("family", "baseModel", "rank", "alpha", "dropout", "targetModules", "quantization", "modulePaths")
+
+LoraTree = dict[str, dict[str, Any]]
+
+
+def checkpoint_root(output_uri: str) -> str:
+    """`<output>/checkpoints`: where a run's steps live."""
+    return storage.join(output_uri, "checkpoints")
+
+
+def _path(uri: str) -> epath.Path:
+    """An etils path for Orbax: gs:// stays a URI (gcsfs/TensorStore), `file://` becomes a plain path."""
+    return epath.Path(uri if storage.is_gcs(uri) else storage.local_path(uri))
+
+
+@contextlib.contextmanager
+def _storage_faults(uri: str) -> Iterator[None]:
+    """Turn network faults under Orbax into RetriableError (the JobSet restarts, the run resumes)."""
+    try:
+        yield
+    except (ConnectionError, TimeoutError) as e:
+        raise RetriableError(f"storage fault while accessing checkpoints at {uri}: {e}") from e
+    except Exception as e:
+        if type(e).__module__.startswith(("google.api_core", "google.auth", "aiohttp")):
+            raise RetriableError(f"storage fault while accessing checkpoints at {uri}: {e}") from e
+        raise
+
+
+def committed_steps(root: str) -> list[int]:
+    """Steps under `root` that Orbax has committed (ascending); half-written ones are ignored.
+
+    On gs:// gcsfs's listing cache is dropped first: another process (a previous attempt of
+    this run, or the exporter) may have written or deleted steps since this one last looked.
+    """
+    path = _path(root)
+    with _storage_faults(root):
+        if storage.is_gcs(root):
+            epath.backend.fsspec_backend.fs(root).invalidate_cache()
+        return sorted(ocp.path.step.checkpoint_steps(path))
+
+
+def latest_committed_step(root: str) -> int | None:
+    """The newest committed step under `root`, or None when there is none."""
+    steps = committed_steps(root)
+    return steps[-1] if steps else None
+
+
+def _handlers(*items: str) -> dict[str, ocp.CheckpointHandler]:
+    table: dict[str, ocp.CheckpointHandler] = {
+        LORA: ocp.PyTreeCheckpointHandler(),
+        OPTIMIZER: ocp.PyTreeCheckpointHandler(),
+        DATA: ocp.JsonCheckpointHandler(),
+        METADATA: ocp.JsonCheckpointHandler(),
+    }
+    return {k: table[k] for k in items}
+
+
+def _split_step_dir(root: str, step: int | None) -> tuple[str, int | None]:
+    """Accept a step directory (`.../checkpoints/120`) wherever a root is expected."""
+    path = _path(root)
+    if step is None and path.name.isdigit() and ocp.path.step.is_path_finalized(path):
+        parent = root.rstrip("/").rsplit("/", 1)[0] if storage.is_gcs(root) else str(path.parent)
+        return parent, int(path.name)
+    return root, step
+
+
+def _resolve_step(root: str, step: int | None) -> int:
+    """The step to read: the one asked for if committed, else the latest; UserError if none."""
+    steps = committed_steps(root)
+    if not steps:
+        raise UserError(
+            f"no committed checkpoint under {root}: point at a run's `<output>/checkpoints` directory "
+            "(or one step inside it) that a finished or checkpointed training wrote"
+        )
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise UserError(f"step {step} is not a committed checkpoint under {root}; committed steps: {steps}")
+    return step
+
+
+def _numpy_restore_args(item_metadata: Any) -> Any:
+    """Restore every array of a saved tree as a host numpy array (no devices or shardings needed)."""
+    return jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item_metadata.tree)
+
+
+def read_metadata(root: str, step: int | None = None) -> dict[str, Any]:
+    """The `metadata` item of a committed step (latest by default)."""
+    root, step = _split_step_dir(root, step)
+    step = _resolve_step(root, step)
+    with _storage_faults(root), _reader(root, METADATA) as mgr:
+        return dict(mgr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))[METADATA])
+
+
+def read_lora(root: str, step: int | None = None) -> tuple[LoraTree, dict[str, Any]]:
+    """LoRA params (numpy) and metadata of a committed step (latest by default).
+
+    `root` is a checkpoint root (`<output>/checkpoints`, or an adapter-only checkpoint made
+    by `write_lora`) or one committed step directory inside it.
+    """
+    root, step = _split_step_dir(root, step)
+    step = _resolve_step(root, step)
+    with _storage_faults(root), _reader(root, LORA, METADATA) as mgr:
+        meta = mgr.item_metadata(step)[LORA]
+        restored = mgr.restore(
+            step,
+            args=ocp.args.Composite(
+                lora=ocp.args.PyTreeRestore(restore_args=_numpy_restore_args(meta)),
+                metadata=ocp.args.JsonRestore(),
+            ),
+        )
+    return restored[LORA], dict(restored[METADATA])
+
+
+def _check_metadata(metadata: Mapping[str, Any], where: str) -> None:
+    missing = [k for k in METADATA_KEYS if k not in metadata]
+    if missing:
+        raise UserError(f"LoRA checkpoint metadata for {where} lacks {missing}; every checkpoint records {list(METADATA_KEYS)}")
+
+
+def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], metadata: Mapping[str, Any]) -> None:
+    """Write an adapter-only checkpoint (items `lora` + `metadata`) and wait until it is committed."""
+    _check_metadata(metadata, root)
+    with _storage_faults(root):
+        mgr = ocp.CheckpointManager(
+            _path(root),
+            options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True),
+            item_handlers=_handlers(LORA, METADATA),
+        )
+        try:
+            mgr.save(
+                step,
+                args=ocp.args.Composite(
+                    lora=ocp.args.PyTreeSave(_as_dict_tree(tree)),
+                    metadata=ocp.args.JsonSave({**metadata, "step": step}),
+                ),
+                force=True,
+            )
+            mgr.wait_until_finished()
+        finally:
+            mgr.close()
+
+
+def _as_dict_tree(tree: Mapping[str, Mapping[str, Any]]) -> LoraTree:
+    """Plain nested dicts, so the saved structure never depends on the caller's mapping types."""
+    return {str(k): {str(n): v for n, v in sub.items()} for k, sub in tree.items()}
+
+
+@contextlib.contextmanager
+def _reader(root: str, *items: str) -> Iterator[ocp.CheckpointManager]:
+    mgr = ocp.CheckpointManager(
+        _path(root), options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=_handlers(*items)
+    )
+    try:
+        yield mgr
+    finally:
+        mgr.close()
+
+
+class TrainingCheckpoints:
+    """The training run's side of the format: periodic async saves, keep-N, full restore.
+
+    Every process of a multi-host run constructs one and calls `save`/`restore` together
+    (Orbax coordinates the hosts); only committed steps are ever restored.
+    """
+
+    def __init__(self, root: str, *, keep: int) -> None:
+        self.root = root
+        with _storage_faults(root):
+            self._mgr = ocp.CheckpointManager(
+                _path(root),
+                options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True),
+                item_handlers=_handlers(LORA, OPTIMIZER, DATA, METADATA),
+            )
+
+    def latest_step(self) -> int | None:
+        """Newest committed step (re-listed from storage, so another writer's steps count too)."""
+        return latest_committed_step(self.root)
+
+    def save(
+        self,
+        step: int,
+        *,
+        lora: Any,
+        optimizer: Any,
+        data: Mapping[str, Any],
+        metadata: Mapping[str, Any],
+    ) -> None:
+        """Start saving `step` in the background (arrays are copied off the devices first)."""
+        _check_metadata(metadata, self.root)
+        with _storage_faults(self.root):
+            self._mgr.save(
+                step,
+                args=ocp.args.Composite(
+                    lora=ocp.args.PyTreeSave(lora),
+                    optimizer=ocp.args.PyTreeSave(optimizer),
+                    data=ocp.args.JsonSave(dict(data)),
+                    metadata=ocp.args.JsonSave({**metadata, "step": step}),
+                ),
+                force=True,
+            )
+
+    def wait(self) -> None:
+        """Block until every started save has committed."""
+        with _storage_faults(self.root):
+            self._mgr.wait_until_finished()
+
+    def restore(self, step: int, *, lora_target: Any, optimizer_target: Any) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+        """(lora, optimizer, data position, metadata) of a committed step, laid out like the targets.
+
+        The targets are trees of arrays or `jax.ShapeDtypeStruct`s with shardings; restored
+        arrays take those shardings, so every host gets its part.
+        """
+        with _storage_faults(self.root):
+            r = self._mgr.restore(
+                step,
+                args=ocp.args.Composite(
+                    lora=ocp.args.PyTreeRestore(lora_target, restore_args=ocp.checkpoint_utils.construct_restore_args(lora_target)),
+                    optimizer=ocp.args.PyTreeRestore(
+                        optimizer_target, restore_args=ocp.checkpoint_utils.construct_restore_args(optimizer_target)
+                    ),
+                    data=ocp.args.JsonRestore(),
+                    metadata=ocp.args.JsonRestore(),
+                ),
+            )
+        return r[LORA], r[OPTIMIZER], dict(r[DATA]), dict(r[METADATA])
+
+    def close(self) -> None:
+        """Wait for pending saves, then release Orbax's threads."""
+        with _storage_faults(self.root):
+            self._mgr.wait_until_finished()
+            self._mgr.close()
+
+
+def step_uri(root: str, step: int) -> str:
+    """The URI of one step directory (what progress.json reports as lastCheckpoint)."""
+    return storage.join(root, str(step))
+
+
+__all__ = [
+    "METADATA_KEYS",
+    "TrainingCheckpoints",
+    "checkpoint_root",
+    "committed_steps",
+    "latest_committed_step",
+    "read_lora",
+    "read_metadata",
+    "step_uri",
+    "write_lora",
+]
