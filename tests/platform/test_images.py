@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 import dockerfile
+import rendered
+from lora_trainer import cli as trainer_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_DOCKERFILE = ROOT / "Dockerfile"
@@ -79,3 +81,27 @@ def test_trainer_image_installs_pinned_jax_for_tpu_and_the_trainer_extra() -> No
     assert dockerfile.exec_form(TRAINER_DOCKERFILE, "ENTRYPOINT") == ["lora-trainer"]
     scripts = PYPROJECT["project"]["scripts"]
     assert scripts["lora-trainer"] == "lora_trainer.cli:main" and scripts["lora-operator"] == "lora_operator.cli:main"
+
+
+@pytest.mark.parametrize("path", rendered.MANIFESTS, ids=lambda p: p.name)
+def test_rendered_trainer_commands_are_what_the_trainer_image_runs(path: Path) -> None:
+    """Every container the operator renders (JobSet, export Job, conversion Job) runs the trainer
+    image's entrypoint with a subcommand and flags `lora-trainer`'s own parser accepts, as the
+    user the image was built for."""
+    entrypoint = dockerfile.exec_form(TRAINER_DOCKERFILE, "ENTRYPOINT")
+    uid, gid = [i.args for i in dockerfile.final_stage(TRAINER_DOCKERFILE) if i.keyword == "USER"][-1].split(":")
+    parser = trainer_cli._parser()
+    workloads = [o for o in rendered.render(path) if o["kind"] in ("JobSet", "Job")]
+    assert workloads
+    for obj in workloads:
+        security = rendered.pod_security(obj)
+        assert (str(security["runAsUser"]), str(security["runAsGroup"])) == (uid, gid), obj["metadata"]["name"]
+        for container in rendered.pod_containers(obj):
+            argv = [*container.get("command", entrypoint), *container.get("args", [])]
+            assert argv[: len(entrypoint)] == entrypoint, f"{obj['metadata']['name']}: {argv}"
+            try:
+                args = parser.parse_args(argv[len(entrypoint):])
+            except SystemExit as e:
+                pytest.fail(f"{obj['metadata']['name']}: lora-trainer rejects {argv}: exit {e.code}")
+            expected = {"JobSet": {"train"}, "Job": {"export", "convert"}}[obj["kind"]]
+            assert args.command in expected
