@@ -1,0 +1,199 @@
+"""Apply (Q)LoRA to a family's NNX model with Qwix, and read/write the LoRA parameters.
+
+`apply_lora` refuses to hand back a model without `nnx.LoRAParam`s: Tunix's PeftTrainer
+would otherwise silently fine-tune every base weight. Target regexes are checked before
+Qwix runs (nothing matched, a QLoRA tile that does not divide a weight) so the error can
+name the regex or module and list what would have worked.
+
+`lora_state` / `set_lora_state` are the one format the checkpoint and adapter code use:
+`{module_path: {"<weight>_lora_a": array, "<weight>_lora_b": array}}`, e.g.
+`{"layers/0/attn/q_proj": {"w_lora_a": [embed, r], "w_lora_b": [r, heads, head_dim]}}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+from flax import nnx
+
+from lora_trainer.config import LoraSpec
+from lora_trainer.errors import UserError
+from lora_trainer.models.forward import positions_and_mask
+from lora_trainer.models.spec import FamilySpec
+
+#: Train-config weightQtype -> Qwix qtype.
+QTYPES: dict[str, Any] = {"nf4": "nf4", "int4": jnp.int4, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+LoraTree = dict[str, dict[str, Any]]
+
+
+@dataclasses.dataclass
+class LoraApplied:
+    """The model with LoRA params, the regex that chose the modules, and the modules it chose."""
+
+    model: nnx.Module
+    target_regex: str
+    module_paths: list[str]
+
+
+def resolve_target_regex(target_modules: str, family: FamilySpec) -> str:
+    """`auto` -> the family's regex from target_modules.yaml; anything else is used as given."""
+    return family.auto_target_regex if target_modules == "auto" else target_modules
+
+
+def targetable_modules(model: nnx.Module, family: FamilySpec) -> dict[str, tuple[int, ...]]:
+    """{module path: weight shape} of every LoRA-targetable projection in the model."""
+    found: dict[str, tuple[int, ...]] = {}
+    for path, module in model.iter_modules():
+        module_path = "/".join(map(str, path))
+        try:
+            target, _ = family.target_for_path(module_path)
+        except KeyError:
+            continue
+        found[module_path] = tuple(getattr(module, target.weight_name).get_value().shape)
+    return found
+
+
+def _summarise(paths: list[str]) -> str:
+    """Module paths for an error message: layer 0's in full, then how many layers follow."""
+    first = [p for p in paths if p.startswith("layers/0/")] or paths
+    layers = {p.split("/")[1] for p in paths if p.startswith("layers/")}
+    more = f" (and the same under layers/1..{len(layers) - 1})" if len(layers) > 1 else ""
+    return ", ".join(first) + more
+
+
+def _tiled_dim(path: str, shape: tuple[int, ...], family: FamilySpec) -> int:
+    """The size of the axis Qwix tiles for QLoRA: the weight's last contracting (input) axis."""
+    target, _ = family.target_for_path(path)
+    sizes = dict(zip(target.weight.nnx_axes.split(), shape, strict=True))
+    return sizes[target.a_axes.split()[-1]]
+
+
+def _check_tile_size(tile_size: int, matched: dict[str, tuple[int, ...]], family: FamilySpec) -> None:
+    """Reject a QLoRA tile that does not divide every matched weight's tiled axis, naming the module."""
+    dims = {path: _tiled_dim(path, shape, family) for path, shape in matched.items()}
+    for path, dim in dims.items():
+        if dim % tile_size:
+            valid = [t for t in (2**i for i in range(13)) if all(d % t == 0 for d in dims.values())]
+            raise UserError(
+                f"lora.quantization.tileSize {tile_size} does not divide the contracting dimension ({dim}) of "
+                f"{path}; valid tile sizes for the targeted modules: {valid}"
+            )
+
+
+def _float32_init(initializer: Any) -> Any:
+    """LoRA params are float32 whatever the base dtype (Qwix would use the weight's dtype)."""
+    return lambda key, shape, dtype=None: initializer(key, shape, jnp.float32)
+
+
+def apply_lora(
+    model: nnx.Module, lora_spec: LoraSpec, family: FamilySpec, *, seed: int, batch_shape: tuple[int, int] = (1, 8)
+) -> LoraApplied:
+    """A copy of `model` with LoRA (and QLoRA quantization) on the modules `lora_spec.target_modules` selects.
+
+    Runs one dummy forward of `batch_shape` tokens so Qwix creates every `nnx.LoRAParam`
+    (A: he-uniform from `seed`, B: zeros, so the model's output is unchanged).
+    """
+    regex = resolve_target_regex(lora_spec.target_modules, family)
+    try:
+        compiled = re.compile(regex)
+    except re.error as e:
+        raise UserError(f"lora.targetModules {regex!r} is not a valid regex ({e})") from e
+    available = targetable_modules(model, family)
+    matched = {p: s for p, s in available.items() if compiled.fullmatch(p)}
+    if not matched:
+        raise UserError(
+            f"lora.targetModules {regex!r} matches no LoRA-targetable module of this {family.name} model "
+            f"(full match against module paths); the model's paths are: {_summarise(list(available))}"
+        )
+    quant = lora_spec.quantization
+    qwix_args: dict[str, Any] = {}
+    if quant is not None:
+        if quant.tile_size is not None:
+            _check_tile_size(quant.tile_size, matched, family)
+        qwix_args = {"weight_qtype": QTYPES[quant.weight_qtype], "tile_size": quant.tile_size}
+    provider = qwix.LoraProvider(
+        module_path=regex,
+        rank=lora_spec.rank,
+        alpha=lora_spec.alpha,
+        dropout=lora_spec.dropout,
+        lora_a_initializer=_float32_init(nnx.initializers.he_uniform()),
+        lora_b_initializer=_float32_init(nnx.initializers.zeros),
+        **qwix_args,
+    )
+    tokens = jnp.ones(batch_shape, dtype=jnp.int32)
+    positions, mask = positions_and_mask(tokens, None)
+    lora_model = qwix.apply_lora_to_model(
+        model, provider, tokens, positions, None, mask, rngs=nnx.Rngs(params=seed, dropout=seed)
+    )
+    unused = provider.get_unused_rules()
+    if unused:
+        raise UserError(
+            f"lora.targetModules {regex!r} stayed unused (no weight of a matching module went through LoRA); "
+            f"the model's module paths are: {_summarise(list(available))}"
+        )
+    created = sorted(lora_state(lora_model))
+    if not created:
+        raise UserError(
+            f"lora.targetModules {regex!r} created no LoRA parameters; refusing to train, since the trainer would "
+            f"otherwise fine-tune the whole model. Module paths: {_summarise(list(available))}"
+        )
+    stray = sorted(set(created) - set(available))
+    if stray:
+        raise UserError(
+            f"lora.targetModules {regex!r} also matches modules that are not attention/MLP projections "
+            f"({', '.join(stray)}); adapters for them cannot be exported to HF PEFT. Narrow the regex."
+        )
+    return LoraApplied(model=lora_model, target_regex=regex, module_paths=created)
+
+
+def _lora_vars(model: nnx.Module) -> dict[str, dict[str, nnx.Variable]]:
+    tree: dict[str, dict[str, nnx.Variable]] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        *module, name = map(str, path)
+        tree.setdefault("/".join(module), {})[name] = var
+    return tree
+
+
+def lora_state(model: nnx.Module) -> LoraTree:
+    """The LoRA params as `{module_path: {"<weight>_lora_a": array, "<weight>_lora_b": array}}`."""
+    return {path: {name: var.get_value() for name, var in params.items()} for path, params in _lora_vars(model).items()}
+
+
+def set_lora_state(model: nnx.Module, tree: Mapping[str, Mapping[str, Any]]) -> None:
+    """Replace every LoRA param of `model` with `tree`'s; any module, name or shape mismatch is a
+    UserError listing every difference, and nothing is changed unless everything matches."""
+    current = _lora_vars(model)
+    problems: list[str] = []
+    for path in sorted(set(current) - set(tree)):
+        problems.append(f"{path}: missing from the restored adapter")
+    for path in sorted(set(tree) - set(current)):
+        problems.append(f"{path}: in the restored adapter but not a LoRA module of this model")
+    for path in sorted(set(current) & set(tree)):
+        names, given = set(current[path]), set(tree[path])
+        if names != given:
+            problems.append(f"{path}: has {sorted(given)}, expected {sorted(names)}")
+            continue
+        for name in sorted(names):
+            want = tuple(current[path][name].get_value().shape)
+            got = tuple(np.shape(tree[path][name]))
+            if want != got:
+                problems.append(f"{path}/{name}: shape {list(got)}, expected {list(want)} (rank or model differs)")
+    if problems:
+        raise UserError(
+            "the adapter does not fit this model's LoRA configuration (rank, target modules and base model must "
+            "match): " + "; ".join(problems[:12]) + (f"; and {len(problems) - 12} more" if len(problems) > 12 else "")
+        )
+    for path, params in current.items():
+        for name, var in params.items():
+            old = var.get_value()
+            new = jnp.asarray(tree[path][name], dtype=old.dtype)
+            sharding = getattr(old, "sharding", None)
+            var.set_value(jax.device_put(new, sharding) if sharding is not None else new)

@@ -1,0 +1,100 @@
+"""Llama 3.x (3, 3.1, 3.2) on Tunix's llama3 model, with rope taken from config.json.
+
+Tunix's attention hard-codes theta 1e6 and has no Llama 3.1 `rope_scaling`; the subclass
+below runs the forward pass under the model's own RopeSpec (see models/rope.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+from tunix.models.llama3 import model as tunix_llama3
+
+from lora_trainer.models import rope
+from lora_trainer.models.families.common import head_dim, require
+from lora_trainer.models.mapping import LoraTarget, WeightRule
+
+rope.install_seam(tunix_llama3)
+
+
+class Llama3(tunix_llama3.Llama3):
+    """Tunix Llama3 whose attention uses `self.rope` (theta and scaling from config.json)."""
+
+    def __init__(self, config: tunix_llama3.ModelConfig, *, rope_spec: rope.RopeSpec, rngs: nnx.Rngs):
+        super().__init__(config, rngs=rngs)
+        self.rope_spec = rope_spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with rope.active(self.rope_spec):
+            return super().__call__(*args, **kwargs)
+
+
+def tunix_config(hf_config: Mapping[str, Any]) -> tunix_llama3.ModelConfig:
+    """Tunix ModelConfig with every hyperparameter from config.json."""
+    require(hf_config, "llama3", "hidden_act", ("silu",), "silu")
+    require(hf_config, "llama3", "attention_bias", (False,), False)
+    require(hf_config, "llama3", "mlp_bias", (False,), False)
+    return tunix_llama3.ModelConfig(
+        num_layers=int(hf_config["num_hidden_layers"]),
+        vocab_size=int(hf_config["vocab_size"]),
+        embed_dim=int(hf_config["hidden_size"]),
+        hidden_dim=int(hf_config["intermediate_size"]),
+        num_heads=int(hf_config["num_attention_heads"]),
+        head_dim=head_dim(hf_config),
+        num_kv_heads=int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]),
+        rope_theta=rope.hf_rope(hf_config).theta,  # informational: Tunix ignores it, self.rope_spec is used
+        norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)),
+        weight_tying=bool(hf_config.get("tie_word_embeddings", False)),
+    )
+
+
+def build(hf_config: Mapping[str, Any], dtype: jnp.dtype, rngs: nnx.Rngs) -> Llama3:
+    """The NNX model for config.json (computes in the dtype of the weights it is given)."""
+    del dtype  # Tunix llama3 computes in its parameters' dtype; the loader casts them.
+    return Llama3(tunix_config(hf_config), rope_spec=rope.hf_rope(hf_config), rngs=rngs)
+
+
+def _untied(cfg: Mapping[str, Any]) -> bool:
+    return not cfg.get("tie_word_embeddings", False)
+
+
+_L = "model.layers.{i}"
+Q = WeightRule(f"{_L}.self_attn.q_proj.weight", "layers/{i}/attn/q_proj/w", "(n h) d", "d n h")
+K = WeightRule(f"{_L}.self_attn.k_proj.weight", "layers/{i}/attn/k_proj/w", "(k h) d", "d k h")
+V = WeightRule(f"{_L}.self_attn.v_proj.weight", "layers/{i}/attn/v_proj/w", "(k h) d", "d k h")
+O = WeightRule(f"{_L}.self_attn.o_proj.weight", "layers/{i}/attn/o_proj/w", "d (n h)", "n h d")
+GATE = WeightRule(f"{_L}.mlp.gate_proj.weight", "layers/{i}/mlp/gate_proj/kernel", "f d", "d f")
+UP = WeightRule(f"{_L}.mlp.up_proj.weight", "layers/{i}/mlp/up_proj/kernel", "f d", "d f")
+DOWN = WeightRule(f"{_L}.mlp.down_proj.weight", "layers/{i}/mlp/down_proj/kernel", "d f", "f d")
+
+WEIGHTS = (
+    WeightRule("model.embed_tokens.weight", "embedder/input_embedding", "v d", "v d"),
+    WeightRule(f"{_L}.input_layernorm.weight", "layers/{i}/input_layernorm/w", "d", "d"),
+    Q, K, V, O,
+    WeightRule(f"{_L}.post_attention_layernorm.weight", "layers/{i}/post_attention_layernorm/w", "d", "d"),
+    GATE, UP, DOWN,
+    WeightRule("model.norm.weight", "final_norm/w", "d", "d"),
+    WeightRule("lm_head.weight", "lm_head/w", "v d", "d v", when=_untied),
+)  # fmt: skip
+
+LORA_TARGETS = (
+    LoraTarget("layers/{i}/attn/q_proj", f"{_L}.self_attn.q_proj", Q),
+    LoraTarget("layers/{i}/attn/k_proj", f"{_L}.self_attn.k_proj", K),
+    LoraTarget("layers/{i}/attn/v_proj", f"{_L}.self_attn.v_proj", V),
+    LoraTarget("layers/{i}/attn/o_proj", f"{_L}.self_attn.o_proj", O),
+    LoraTarget("layers/{i}/mlp/gate_proj", f"{_L}.mlp.gate_proj", GATE),
+    LoraTarget("layers/{i}/mlp/up_proj", f"{_L}.mlp.up_proj", UP),
+    LoraTarget("layers/{i}/mlp/down_proj", f"{_L}.mlp.down_proj", DOWN),
+)
+
+SPEC_ARGS = dict(
+    name="llama3",
+    model_types=("llama",),
+    architectures=("LlamaForCausalLM",),
+    build=build,
+    weights=WEIGHTS,
+    lora_targets=LORA_TARGETS,
+)

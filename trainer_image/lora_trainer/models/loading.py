@@ -1,0 +1,173 @@
+"""Load an HF safetensors checkpoint into the family's Tunix NNX model, optionally onto a mesh.
+
+The model is first built abstractly (`nnx.eval_shape`: no memory, no random init), then
+every parameter is filled from the family's weight table, so each NNX parameter must come
+from exactly one HF tensor of the right shape; anything else is a UserError naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lora_trainer import storage
+from lora_trainer.errors import UserError
+from lora_trainer.models.mapping import expand_rules
+from lora_trainer.models.registry import detect_family, get_family
+from lora_trainer.models.safetensors_io import SafetensorsCheckpoint
+from lora_trainer.models.spec import FamilySpec
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+#: Where gs:// base models are downloaded (one directory per URI); defaults under the temp dir.
+CACHE_ENV = "LORA_TRAINER_MODEL_CACHE"
+_DOWNLOADED = ".lora-trainer-complete"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A base model ready for LoRA: the NNX module plus what it was built from."""
+
+    model: nnx.Module
+    family: FamilySpec
+    hf_config: dict[str, Any]
+    local_dir: Path
+    """A local directory with the checkpoint's files (config.json, tokenizer, safetensors)."""
+
+
+def resolve_local_dir(source: str) -> Path:
+    """A local directory holding `source`'s files: the path itself, or a cached download of gs://."""
+    if source.startswith("hf://"):
+        raise UserError(
+            f"model.source {source}: this trainer does not download from a model hub; copy the checkpoint "
+            "to gs://BUCKET/PATH (e.g. `huggingface-cli download` then `gcloud storage cp -r`) and use that URI"
+        )
+    if source.startswith("file://"):
+        source = source[len("file://") :]
+    if not storage.is_gcs(source):
+        path = Path(source)
+        if not path.is_dir():
+            raise UserError(f"model.source {source} is not a directory: point it at an HF checkpoint directory")
+        return path
+    root = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "lora-trainer-models")
+    dest = root / hashlib.sha256(source.rstrip("/").encode()).hexdigest()[:16]
+    if not (dest / _DOWNLOADED).exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        storage.download_dir(source, dest)
+        (dest / _DOWNLOADED).write_text(source)
+    return dest
+
+
+def read_hf_config(directory: Path) -> dict[str, Any]:
+    """config.json of a checkpoint directory, with a clear error when absent or invalid."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path} is missing: model.source must be an HF checkpoint directory with config.json")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}): re-upload the checkpoint") from e
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path} must hold a JSON object")
+    return cfg
+
+
+def _partition_spec(var: nnx.Variable, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> jax.sharding.PartitionSpec:
+    """The parameter's Tunix sharding annotation, keeping only mesh axes that exist and divide the dim."""
+    meta = var.get_metadata()
+    names = meta.get("out_sharding") or meta.get("sharding") or meta.get("sharding_names") or ()
+    axes = []
+    for dim, name in zip(shape, tuple(names) + (None,) * (len(shape) - len(names))):
+        keep = name is not None and name in mesh.shape and mesh.shape[name] > 1 and dim % mesh.shape[name] == 0
+        axes.append(name if keep else None)
+    return jax.sharding.PartitionSpec(*axes)
+
+
+def build_abstract(family: FamilySpec, hf_config: Mapping[str, Any], dtype: str) -> nnx.Module:
+    """The family's model with shapes only (no memory), for loading or inspection."""
+    return nnx.eval_shape(lambda: family.build(hf_config, DTYPES[dtype], nnx.Rngs(0)))
+
+
+def fill_params(
+    abstract: nnx.Module,
+    family: FamilySpec,
+    hf_config: Mapping[str, Any],
+    tensors: SafetensorsCheckpoint,
+    *,
+    dtype: str,
+    mesh: jax.sharding.Mesh | None = None,
+) -> nnx.Module:
+    """A concrete model whose every parameter comes from `tensors` through the family's table."""
+    graphdef, state = nnx.split(abstract)
+    variables = {"/".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
+    loaded: dict[str, jax.Array] = {}
+    for hf_key, nnx_path, rule in expand_rules(family.weights, hf_config, family.num_layers(hf_config)):
+        if nnx_path not in variables:
+            raise AssertionError(f"{family.name} weight table names {nnx_path}, which the model does not have")
+        var = variables[nnx_path]
+        shape = tuple(var.get_value().shape)
+        expected = rule.hf_shape(shape)
+        got = tensors.shape(hf_key)
+        if got != expected:
+            raise UserError(
+                f"tensor {hf_key!r} in {tensors.directory} has shape {list(got)} but config.json implies "
+                f"{list(expected)}: the weights do not match config.json (wrong file or edited config)"
+            )
+        array = np.asarray(rule.to_nnx(tensors.get(hf_key), shape)).astype(DTYPES[dtype])
+        if mesh is not None:
+            sharding = jax.sharding.NamedSharding(mesh, _partition_spec(var, shape, mesh))
+            loaded[nnx_path] = jax.device_put(array, sharding)
+        else:
+            loaded[nnx_path] = jnp.asarray(array)
+    missing = sorted(set(variables) - set(loaded))
+    if missing:
+        raise AssertionError(f"{family.name} weight table does not cover NNX parameters {missing}")
+    used = {hf_key for hf_key, _, _ in expand_rules(family.weights, hf_config, family.num_layers(hf_config))}
+    unused = sorted(set(tensors.keys()) - used)
+    if unused:
+        log.warning("ignoring %d checkpoint tensors the %s model does not use: %s", len(unused), family.name, unused[:8])
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(loaded["/".join(map(str, path))])
+    return nnx.merge(graphdef, state)
+
+
+def load_model(
+    source: str, *, family: str | None = None, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None
+) -> LoadedModel:
+    """Load an HF safetensors checkpoint (local dir or gs://) as the family's NNX model.
+
+    `family` overrides detection from config.json; `dtype` is the dtype of the base weights
+    (float32, bfloat16, float16); with `mesh`, each weight is placed with a NamedSharding
+    from Tunix's per-parameter annotations (axes the mesh lacks or that do not divide a
+    dimension are replicated).
+    """
+    if dtype not in DTYPES:
+        raise UserError(f"model.dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    directory = resolve_local_dir(source)
+    hf_config = read_hf_config(directory)
+    detected = detect_family(hf_config)
+    name = family or detected
+    if family is not None and family != detected:
+        raise UserError(
+            f"model.family is {family!r} but {directory / 'config.json'} describes a {detected} model "
+            f"(model_type {hf_config.get('model_type')!r}); drop model.family or fix it"
+        )
+    spec = get_family(name)
+    tensors = SafetensorsCheckpoint(directory)
+    abstract = build_abstract(spec, hf_config, dtype)
+    model = fill_params(abstract, spec, hf_config, tensors, dtype=dtype, mesh=mesh)
+    return LoadedModel(model=model, family=spec, hf_config=hf_config, local_dir=directory)

@@ -1,0 +1,61 @@
+"""The one family registry: config.json -> family name -> FamilySpec.
+
+Detection needs no JAX: the `model_type`/`architectures` table is here; `get_family`
+imports the family module (and Tunix) only when the spec is needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from lora_trainer.errors import UserError
+from lora_trainer.models.spec import FamilySpec
+
+#: family -> (config.json model_type values, architectures). Gemma 3's multimodal
+#: `gemma3` checkpoints are detected but refused by the loader (text-only models supported).
+_DETECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "llama3": (("llama",), ("LlamaForCausalLM",)),
+    "qwen3": (("qwen3",), ("Qwen3ForCausalLM",)),
+    "qwen2": (("qwen2",), ("Qwen2ForCausalLM",)),
+    "gemma3": (("gemma3_text", "gemma3"), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
+}
+
+FAMILIES: tuple[str, ...] = tuple(_DETECT)
+
+
+def detect_family(hf_config: Mapping[str, Any]) -> str:
+    """The family of an HF config.json, from `model_type` (or `architectures`)."""
+    model_type = hf_config.get("model_type")
+    architectures = tuple(hf_config.get("architectures") or ())
+    for family, (types, archs) in _DETECT.items():
+        if model_type in types:
+            return family
+    for family, (types, archs) in _DETECT.items():
+        if set(architectures) & set(archs):
+            return family
+    raise UserError(
+        f"config.json has model_type {model_type!r} (architectures {list(architectures)}), which is not a "
+        f"supported family; supported: {', '.join(FAMILIES)} (model_type "
+        f"{', '.join(t for types, _ in _DETECT.values() for t in types)}); set model.family only for one of those"
+    )
+
+
+@functools.cache
+def _target_table() -> dict[str, dict[str, str]]:
+    text = resources.files("lora_trainer.models").joinpath("target_modules.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+@functools.cache
+def get_family(name: str) -> FamilySpec:
+    """The FamilySpec of `name` (one of FAMILIES)."""
+    if name not in _DETECT:
+        raise UserError(f"unknown model family {name!r}; supported: {', '.join(FAMILIES)}")
+    module = importlib.import_module(f"lora_trainer.models.families.{name}")
+    return FamilySpec(**module.SPEC_ARGS, auto_target_regex=_target_table()[name]["auto"])

@@ -1,0 +1,140 @@
+"""Rotary position embeddings as the HF config describes them, and the seam into Tunix.
+
+Why this exists: Tunix 0.1.7's llama3 and qwen3 attention call a module-level
+`apply_rope(x, positions, head_dim=...)` that always uses theta 1e6 and knows no
+`rope_scaling`; a real Llama 3 (theta 500000, Llama 3.1 `llama3` scaling) then differs
+from `transformers` by ~0.6 in logits. Instead of forking the attention code we route
+that one call: `install_seam(module)` replaces the module's `apply_rope` with a function
+that uses the `RopeSpec` of the model currently running (set by `active(spec)`, which our
+model subclasses enter in `__call__`), and falls back to Tunix's own function when no spec
+is active, so plain Tunix models keep their behaviour. The spec is read at trace time, so
+it works under jit, grad and remat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lora_trainer.errors import UserError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """One attention's rotary embedding: base theta plus optional HF-style scaling."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """Inverse frequencies [head_dim // 2] in float32, computed as transformers does."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+        inv = (1.0 / (np.float32(self.theta) ** exponents)).astype(np.float32)
+        if self.rope_type == "linear":
+            return (inv / np.float32(self.factor)).astype(np.float32)
+        if self.rope_type == "llama3":
+            return _llama3_scaled(inv, self)
+        return inv
+
+
+def _llama3_scaled(inv: np.ndarray, spec: RopeSpec) -> np.ndarray:
+    """Llama 3.1's frequency-dependent scaling (transformers `_compute_llama3_parameters`)."""
+    old_len = spec.original_max_position_embeddings
+    low_freq_wavelen = old_len / spec.low_freq_factor
+    high_freq_wavelen = old_len / spec.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_freq_wavelen, inv / spec.factor, inv)
+    smooth = (old_len / wavelen - spec.low_freq_factor) / (spec.high_freq_factor - spec.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_from_params(params: Mapping[str, Any] | None, *, theta: float | None, where: str) -> RopeSpec:
+    """A RopeSpec from an HF `rope_scaling` / `rope_parameters` dict (either spelling of the type key)."""
+    params = dict(params or {})
+    theta = params.get("rope_theta", theta)
+    if theta is None:
+        raise UserError(f"{where}: config.json has no rope_theta; add the model's rope_theta to config.json")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UserError(
+            f"{where}: rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}); "
+            "use a checkpoint whose config.json rope_scaling is one of those"
+        )
+    fields: dict[str, Any] = {"theta": float(theta), "rope_type": rope_type}
+    if rope_type in ("linear", "llama3"):
+        fields["factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        fields["low_freq_factor"] = float(params["low_freq_factor"])
+        fields["high_freq_factor"] = float(params["high_freq_factor"])
+        fields["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    return RopeSpec(**fields)
+
+
+def hf_rope(hf_config: Mapping[str, Any], layer_type: str | None = None) -> RopeSpec:
+    """The RopeSpec of a config.json: transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`.
+
+    `layer_type` picks the entry of a per-layer-type `rope_parameters` (Gemma 3:
+    `sliding_attention` / `full_attention`).
+    """
+    params = hf_config.get("rope_parameters")
+    if params and layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    elif params is None:
+        params = hf_config.get("rope_scaling")
+    return rope_from_params(params, theta=hf_config.get("rope_theta"), where="config.json")
+
+
+def rotate(inputs: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Apply rotary embedding in HF's rotate-half layout to [B, T, N, H] inputs."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    angles = angles[..., None, :]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    first, second = jnp.split(inputs, 2, axis=-1)
+    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return out.astype(inputs.dtype)
+
+
+_ACTIVE: contextvars.ContextVar[RopeSpec | None] = contextvars.ContextVar("lora_trainer_rope", default=None)
+
+
+@contextlib.contextmanager
+def active(spec: RopeSpec) -> Iterator[None]:
+    """Make `spec` the rope of every seam-routed `apply_rope` call inside the block."""
+    token = _ACTIVE.set(spec)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def install_seam(module: ModuleType) -> None:
+    """Route `module.apply_rope` (Tunix llama3/qwen3 signature) through the active RopeSpec. Idempotent."""
+    original: Callable[..., jax.Array] = module.apply_rope
+    if getattr(original, "_lora_trainer_seam", False):
+        return
+
+    def apply_rope(inputs: jax.Array, positions: jax.Array, head_dim: int, rope_theta: int = 1_000_000) -> jax.Array:
+        spec = _ACTIVE.get()
+        if spec is None:
+            return original(inputs, positions, head_dim=head_dim, rope_theta=rope_theta)
+        return rotate(inputs, positions, spec.inv_freq(head_dim))
+
+    apply_rope._lora_trainer_seam = True  # type: ignore[attr-defined]
+    module.apply_rope = apply_rope

@@ -1,0 +1,200 @@
+"""Tiny random HF checkpoints with each family's real hyperparameter shape, built offline.
+
+Every test and the local demo need a base model, and nothing here may reach a model hub.
+These builders write what `save_pretrained` writes for the real models (config.json,
+safetensors, tokenizer files), only small: 2 layers, hidden 64, head_dim 16, GQA with
+4 query / 2 key-value heads, and the family's real quirks (Llama 3.1's `rope_scaling` of
+type `llama3` and theta 500000, Qwen3's qk-norm and theta 1e6, Qwen2.5's q/k/v bias,
+Gemma 3's sliding-window/global layers, local rope base, +1 norms and embedding scale).
+Defaults that would hide layout bugs (square projections, MHA, zero weights) are avoided.
+Weights are random but not tiny, so a mapping error shows up as a large logit difference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+#: Special tokens every tiny tokenizer carries; the chat template uses the last two.
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|start|>", "<|end|>")
+
+#: A ChatML-like template. `{% generation %}` marks assistant text so data code can ask
+#: `apply_chat_template(..., return_assistant_tokens_mask=True)` for the loss mask.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}\n"
+    "{% else %}{{ message['content'] }}<|end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+)
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. ",
+    "A LoRA adapter adds a low-rank update to a frozen weight matrix. ",
+    "Question: what is two plus two? Answer: four. ",
+    "user assistant system: hello, how are you today? I am fine, thank you. ",
+    "0123456789 +-*/=()[]{}<>,.;:!?'\" the and of to in is it that for on with as ",
+)
+
+#: Shared by every family: tiny, but GQA (4 q heads / 2 kv heads) and head_dim != hidden/heads
+#: would also be legal; here head_dim * heads == hidden as in the real small models.
+_COMMON: dict[str, Any] = {
+    "vocab_size": 272,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.2,
+}
+
+#: Per-family config.json fields on top of _COMMON, as in the real checkpoints.
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    # Llama 3.1 8B: untied, theta 500000, rope_scaling type llama3 (factor 8, 1/4, 8192).
+    # original_max_position_embeddings is scaled down with the model so that the scaling
+    # changes frequencies the short test sequences can see.
+    "llama3": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+    },
+    # Qwen3 0.6B-4B: tied embeddings, qk-norm, theta 1e6, eps 1e-6.
+    "qwen3": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_act": "silu",
+    },
+    # Qwen2.5 0.5B-3B: tied embeddings, q/k/v bias, theta 1e6, no sliding window.
+    "qwen2": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "hidden_act": "silu",
+    },
+    # Gemma 3 (text): local layers with rope base 10000 and a sliding window, global layers
+    # with theta 1e6 and linear scaling 8 (4B+), query_pre_attn_scalar = head_dim, +1 norms,
+    # sqrt(hidden) embedding scale, tied embeddings. The window is shrunk with the model.
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    },
+}
+
+
+def tiny_config_dict(family: str, **overrides: Any) -> dict[str, Any]:
+    """The config.json fields of a tiny model of `family` (before token ids are added)."""
+    if family not in FAMILY_CONFIGS:
+        raise ValueError(f"no tiny model for family {family!r}; known: {sorted(FAMILY_CONFIGS)}")
+    cfg = {**_COMMON, **FAMILY_CONFIGS[family], **overrides}
+    if "num_hidden_layers" in overrides and "layer_types" in cfg and "layer_types" not in overrides:
+        pattern = ("sliding_attention", "full_attention")
+        cfg["layer_types"] = [pattern[i % 2] for i in range(cfg["num_hidden_layers"])]
+    return cfg
+
+
+def build_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer trained on a built-in corpus, as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(_CORPUS) * 8, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|start|>", "<|end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _hf_model(family: str, cfg: dict[str, Any], seed: int) -> Any:
+    """The transformers model for a config dict, with every weight random (norms too)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # Non-trivial norm scales catch a missing or doubled `1 +` (Gemma) and swaps.
+                p.copy_(1.0 + 0.2 * torch.randn_like(p)) if family != "gemma3" else p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (p.shape[-1] ** -0.5))
+    return model.eval()
+
+
+def make_tiny_hf_model(
+    family: str, out_dir: str | Path, *, seed: int = 0, sharded: bool = False, **overrides: Any
+) -> Path:
+    """Write a tiny random HF checkpoint of `family` (config, safetensors, tokenizer) to out_dir.
+
+    `overrides` replace config.json fields (e.g. `num_hidden_layers=4, hidden_size=128`);
+    `sharded=True` writes several safetensors shards plus `model.safetensors.index.json`.
+    Returns out_dir.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config_dict(family, **overrides)
+    tokenizer = build_tokenizer(cfg["vocab_size"])
+    if len(tokenizer) > cfg["vocab_size"]:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but vocab_size is {cfg['vocab_size']}")
+    cfg.update(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = _hf_model(family, cfg, seed)
+    max_shard = "64KB" if sharded else "2GB"
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard)
+    tokenizer.save_pretrained(out)
+    return out
