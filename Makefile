@@ -21,6 +21,7 @@ test: install
 
 crds: install
 	$(VENV)/bin/lora-operator crds --out crds --out charts/lora-operator/crds
+	$(VENV)/bin/lora-operator docs --out docs/reference
 
 examples/tiny-llama/config.json: install
 	$(PY) examples/make_tiny_model.py --out examples/tiny-llama

@@ -25,6 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", action="append", default=[], help="directory to write into (repeatable; default: crds/)")
     c.add_argument("--check", action="store_true", help="exit 1 if the files on disk differ from the generated ones")
 
+    d = sub.add_parser("docs", help="generate docs/reference/ (CRDs, trainer CLI, exit codes) from the code")
+    d.add_argument("--out", default="docs/reference", help="directory to write into (default: docs/reference)")
+    d.add_argument("--check", action="store_true", help="exit 1 if the files on disk differ from the generated ones")
+
     lo = sub.add_parser("run-local", help="run a LoraFinetune on this machine, no cluster (CPU or one accelerator)")
     lo.add_argument("-f", "--filename", required=True, help="LoraFinetune manifest")
     lo.add_argument("--output", default=None, help="override spec.output.uri")
@@ -46,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lora_operator.runner import run_operator
 
         return run_operator(namespaces=args.namespace, liveness=args.liveness, settings_path=args.settings)
+    if args.command == "docs":
+        from lora_operator.refdocs import check_or_write as write_docs
+
+        return write_docs(Path(args.out), check=args.check)
     if args.command == "run-local":
         from lora_operator.local import run_local
 
