@@ -14,8 +14,7 @@ from flax import nnx
 from tunix.models.llama3 import model as tunix_llama3
 
 from lora_trainer.models import rope
-from lora_trainer.models.families.common import head_dim, require
-from lora_trainer.models.mapping import LoraTarget, WeightRule
+from lora_trainer.models.families.common import head_dim, llama_style_tables, require
 
 rope.install_seam(tunix_llama3)
 
@@ -57,38 +56,7 @@ def build(hf_config: Mapping[str, Any], dtype: jnp.dtype, rngs: nnx.Rngs) -> Lla
     return Llama3(tunix_config(hf_config), rope_spec=rope.hf_rope(hf_config), rngs=rngs)
 
 
-def _untied(cfg: Mapping[str, Any]) -> bool:
-    return not cfg.get("tie_word_embeddings", False)
-
-
-_L = "model.layers.{i}"
-Q = WeightRule(f"{_L}.self_attn.q_proj.weight", "layers/{i}/attn/q_proj/w", "(n h) d", "d n h")
-K = WeightRule(f"{_L}.self_attn.k_proj.weight", "layers/{i}/attn/k_proj/w", "(k h) d", "d k h")
-V = WeightRule(f"{_L}.self_attn.v_proj.weight", "layers/{i}/attn/v_proj/w", "(k h) d", "d k h")
-O = WeightRule(f"{_L}.self_attn.o_proj.weight", "layers/{i}/attn/o_proj/w", "d (n h)", "n h d")
-GATE = WeightRule(f"{_L}.mlp.gate_proj.weight", "layers/{i}/mlp/gate_proj/kernel", "f d", "d f")
-UP = WeightRule(f"{_L}.mlp.up_proj.weight", "layers/{i}/mlp/up_proj/kernel", "f d", "d f")
-DOWN = WeightRule(f"{_L}.mlp.down_proj.weight", "layers/{i}/mlp/down_proj/kernel", "d f", "f d")
-
-WEIGHTS = (
-    WeightRule("model.embed_tokens.weight", "embedder/input_embedding", "v d", "v d"),
-    WeightRule(f"{_L}.input_layernorm.weight", "layers/{i}/input_layernorm/w", "d", "d"),
-    Q, K, V, O,
-    WeightRule(f"{_L}.post_attention_layernorm.weight", "layers/{i}/post_attention_layernorm/w", "d", "d"),
-    GATE, UP, DOWN,
-    WeightRule("model.norm.weight", "final_norm/w", "d", "d"),
-    WeightRule("lm_head.weight", "lm_head/w", "v d", "d v", when=_untied),
-)  # fmt: skip
-
-LORA_TARGETS = (
-    LoraTarget("layers/{i}/attn/q_proj", f"{_L}.self_attn.q_proj", Q),
-    LoraTarget("layers/{i}/attn/k_proj", f"{_L}.self_attn.k_proj", K),
-    LoraTarget("layers/{i}/attn/v_proj", f"{_L}.self_attn.v_proj", V),
-    LoraTarget("layers/{i}/attn/o_proj", f"{_L}.self_attn.o_proj", O),
-    LoraTarget("layers/{i}/mlp/gate_proj", f"{_L}.mlp.gate_proj", GATE),
-    LoraTarget("layers/{i}/mlp/up_proj", f"{_L}.mlp.up_proj", UP),
-    LoraTarget("layers/{i}/mlp/down_proj", f"{_L}.mlp.down_proj", DOWN),
-)
+WEIGHTS, LORA_TARGETS = llama_style_tables()
 
 SPEC_ARGS = dict(
     name="llama3",

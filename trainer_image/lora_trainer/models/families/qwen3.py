@@ -1,0 +1,76 @@
+"""Qwen3 (dense) on Tunix's qwen3 model, with rope taken from config.json.
+
+Tunix's qwen3 attention, like llama3's, ignores `config.rope_theta`; the subclass runs
+the forward pass under the model's own RopeSpec (see models/rope.py). MoE Qwen3 models
+(`qwen3_moe`) are a different model_type and not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+from tunix.models.qwen3 import model as tunix_qwen3
+
+from lora_trainer.models import rope
+from lora_trainer.models.families.common import LAYER, head_dim, llama_style_tables, require
+from lora_trainer.models.mapping import WeightRule
+
+rope.install_seam(tunix_qwen3)
+
+
+class Qwen3(tunix_qwen3.Qwen3):
+    """Tunix Qwen3 whose attention uses `self.rope_spec` (theta and scaling from config.json)."""
+
+    def __init__(self, config: tunix_qwen3.ModelConfig, *, rope_spec: rope.RopeSpec, rngs: nnx.Rngs):
+        super().__init__(config, rngs=rngs)
+        self.rope_spec = rope_spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with rope.active(self.rope_spec):
+            return super().__call__(*args, **kwargs)
+
+
+def tunix_config(hf_config: Mapping[str, Any], dtype: jnp.dtype = jnp.float32) -> tunix_qwen3.ModelConfig:
+    """Tunix ModelConfig with every hyperparameter from config.json."""
+    require(hf_config, "qwen3", "hidden_act", ("silu",), "silu")
+    require(hf_config, "qwen3", "attention_bias", (False,), False)
+    require(hf_config, "qwen3", "use_sliding_window", (False, None), False)
+    return tunix_qwen3.ModelConfig(
+        num_layers=int(hf_config["num_hidden_layers"]),
+        vocab_size=int(hf_config["vocab_size"]),
+        embed_dim=int(hf_config["hidden_size"]),
+        hidden_dim=int(hf_config["intermediate_size"]),
+        num_heads=int(hf_config["num_attention_heads"]),
+        head_dim=head_dim(hf_config),
+        num_kv_heads=int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]),
+        rope_theta=rope.hf_rope(hf_config).theta,  # informational: Tunix ignores it, self.rope_spec is used
+        norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        use_tied_embedding=bool(hf_config.get("tie_word_embeddings", False)),
+        dtype=dtype,
+        param_dtype=dtype,
+    )
+
+
+def build(hf_config: Mapping[str, Any], dtype: jnp.dtype, rngs: nnx.Rngs) -> Qwen3:
+    """The NNX model for config.json, computing in `dtype`."""
+    return Qwen3(tunix_config(hf_config, dtype), rope_spec=rope.hf_rope(hf_config), rngs=rngs)
+
+
+WEIGHTS, LORA_TARGETS = llama_style_tables(
+    extra=(
+        WeightRule(f"{LAYER}.self_attn.q_norm.weight", "layers/{i}/attn/q_norm/w", "h", "h"),
+        WeightRule(f"{LAYER}.self_attn.k_norm.weight", "layers/{i}/attn/k_norm/w", "h", "h"),
+    )
+)
+
+SPEC_ARGS = dict(
+    name="qwen3",
+    model_types=("qwen3",),
+    architectures=("Qwen3ForCausalLM",),
+    build=build,
+    weights=WEIGHTS,
+    lora_targets=LORA_TARGETS,
+)
