@@ -1,0 +1,361 @@
+"""Training data: JSONL/Parquet rows -> tokenized, loss-masked, (packed) batches with a resumable position.
+
+Why the stream is defined globally: every process tokenizes the same file into the same
+list of sequences, orders them by a seeded permutation per epoch, and cuts the endless
+stream into global batches; process p then takes rows [p*B/P, (p+1)*B/P) of each batch.
+So the data a step sees does not depend on how many hosts run it (a two-process run and
+a one-process run train on identical batches), and the iterator's whole position is one
+integer, `batches`, that the checkpoint stores and a restarted run continues from.
+
+Formats follow TRL's field names (`text`; `prompt`/`completion`; `messages`), configurable
+in `DatasetSpec`. The loss mask is 1 only on tokens the model should learn to produce:
+every token for `text`, the completion for `prompt-completion`, assistant turns for `chat`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lora_trainer import storage
+from lora_trainer.config import DatasetSpec
+from lora_trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized example: token ids and a same-length 0/1 mask of tokens that carry loss."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One row of a batch (one example, or several packed): ids, loss mask, segment ids, positions."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The tokenizer stored with the base model, from local files only (never a model hub).
+
+    `model_dir` is the local copy of the model (`models.load_model` downloads gs:// sources).
+    """
+    from transformers import AutoTokenizer
+
+    if not model_dir.is_dir():
+        raise UserError(f"model directory {model_dir} is not a directory: point model.source at an HF checkpoint directory")
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"cannot load the tokenizer from the model directory {model_dir} ({e}); the directory must hold "
+            "the tokenizer files that `save_pretrained` writes (tokenizer.json, tokenizer_config.json)"
+        ) from e
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def read_rows(uri: str) -> list[tuple[int, dict[str, Any]]]:
+    """(line or row number, row) of a JSONL or Parquet file; the number is 1-based for messages."""
+    name = uri.rstrip("/").rsplit("/", 1)[-1].lower()
+    data = storage.read_bytes(uri)
+    if name.endswith((".jsonl", ".json")):
+        rows = []
+        for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{uri} line {n}: not valid JSON ({e.msg}); every line must be one JSON object") from e
+            if not isinstance(row, dict):
+                raise UserError(f"{uri} line {n}: expected a JSON object, got {type(row).__name__}")
+            rows.append((n, row))
+        return rows
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(io.BytesIO(data))
+        except Exception as e:  # pyarrow raises several unrelated types for corrupt files
+            raise UserError(f"{uri} is not a readable Parquet file ({e})") from e
+        return list(enumerate(table.to_pylist(), start=1))
+    raise UserError(f"{uri}: unknown dataset file type; use a .jsonl (one JSON object per line) or a .parquet file")
+
+
+def _field(row: dict[str, Any], field: str, setting: str, where: str, kind: type) -> Any:
+    if field not in row:
+        raise UserError(
+            f"{where}: missing field {field!r} (set by dataset.{setting}); the row has {sorted(row)}. "
+            f"Rename the field in the data or set dataset.{setting}"
+        )
+    value = row[field]
+    if not isinstance(value, kind):
+        raise UserError(f"{where}: field {field!r} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+# --------------------------------------------------------------------------- tokenization
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _with_specials(tokenizer: Any, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+    """BOS in front (no loss) and EOS at the end (loss, so the model learns to stop), when the tokenizer has them."""
+    if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
+        ids, mask = [tokenizer.bos_token_id, *ids], [0, *mask]
+    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids, mask = [*ids, tokenizer.eos_token_id], [*mask, 1]
+    return ids, mask
+
+
+def _chat_example(tokenizer: Any, messages: list[Any], where: str, field: str) -> tuple[list[int], list[int]]:
+    """Render with the tokenizer's chat template; loss on the assistant turns only."""
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise UserError(f"{where}: field {field!r} item {i} must be an object with string `role` and `content`")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where}: field {field!r} has no assistant message, so nothing would be learned from it")
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise UserError(
+            "dataset.format is `chat` but the model's tokenizer has no chat template: use a model directory whose "
+            "tokenizer_config.json has `chat_template`, or convert the data to prompt-completion"
+        )
+    if "{% generation %}" in template or "{%- generation %}" in template:
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        return list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
+    # Templates without generation markers: an assistant turn is the span between the render
+    # of the messages before it (plus the generation prompt) and the render including it.
+    render = lambda msgs, gen: list(  # noqa: E731
+        tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen, return_dict=True)["input_ids"]
+    )
+    ids = render(messages, False)
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start, end = len(render(messages[:i], True)), render(messages[: i + 1], False)
+        if ids[: len(end)] != end:
+            raise UserError(
+                f"{where}: the chat template renders earlier turns differently once later turns are added, so "
+                "assistant tokens cannot be located; use a template with {% generation %} markers"
+            )
+        mask[start : len(end)] = [1] * (len(end) - start)
+    return ids, mask
+
+
+def tokenize_row(row: dict[str, Any], spec: DatasetSpec, tokenizer: Any, where: str) -> Example:
+    """One row -> Example (not yet truncated). `where` names the file and line in errors."""
+    if spec.format == "text":
+        text = _ids(tokenizer, _field(row, spec.text_field, "textField", where, str))
+        ids, mask = _with_specials(tokenizer, text, [1] * len(text))
+    elif spec.format == "prompt-completion":
+        prompt = _ids(tokenizer, _field(row, spec.prompt_field, "promptField", where, str))
+        completion = _ids(tokenizer, _field(row, spec.completion_field, "completionField", where, str))
+        ids, mask = _with_specials(tokenizer, prompt + completion, [0] * len(prompt) + [1] * len(completion))
+    else:
+        ids, mask = _chat_example(tokenizer, _field(row, spec.messages_field, "messagesField", where, list), where, spec.messages_field)
+    return Example(np.asarray(ids, np.int32), np.asarray(mask, np.int32))
+
+
+@dataclass(frozen=True)
+class TokenizedDataset:
+    """Every usable example of a file, truncated, plus what was dropped (for the log and the fingerprint)."""
+
+    examples: list[Example]
+    truncated: int
+    skipped: int
+
+
+def tokenize_file(uri: str, spec: DatasetSpec, tokenizer: Any) -> TokenizedDataset:
+    """Read and tokenize a whole file; truncate to maxSeqLen; drop examples left with no loss tokens."""
+    rows = read_rows(uri)
+    if not rows:
+        raise UserError(f"{uri} holds no rows: add training examples")
+    examples, truncated, skipped = [], 0, 0
+    for n, row in rows:
+        ex = tokenize_row(row, spec, tokenizer, f"{uri} line {n}")
+        if len(ex.tokens) > spec.max_seq_len:
+            truncated += 1
+            ex = Example(ex.tokens[: spec.max_seq_len], ex.loss_mask[: spec.max_seq_len])
+        if ex.loss_mask[1:].sum() == 0:  # the first token is never a target
+            skipped += 1
+            continue
+        examples.append(ex)
+    log.info("%s: %d examples, %d truncated to maxSeqLen=%d", uri, len(rows), truncated, spec.max_seq_len)
+    if skipped:
+        log.warning("%s: skipped %d examples with no loss tokens left after truncation", uri, skipped)
+    if not examples:
+        raise UserError(
+            f"{uri}: no example has a completion/assistant token within dataset.maxSeqLen={spec.max_seq_len}; "
+            "raise maxSeqLen or shorten the prompts"
+        )
+    return TokenizedDataset(examples, truncated, skipped)
+
+
+# --------------------------------------------------------------------------- sequences
+
+
+def _single(ex: Example) -> Sequence:
+    n = len(ex.tokens)
+    return Sequence(ex.tokens, ex.loss_mask, np.ones(n, np.int32), np.arange(n, dtype=np.int32))
+
+
+def pack(examples: list[Example], max_seq_len: int) -> list[Sequence]:
+    """Greedy first-fit packing in file order; each example keeps its own segment id and positions."""
+    bins: list[list[Example]] = []
+    room: list[int] = []
+    for ex in examples:
+        n = len(ex.tokens)
+        for i, r in enumerate(room):
+            if n <= r:
+                bins[i].append(ex)
+                room[i] -= n
+                break
+        else:
+            bins.append([ex])
+            room.append(max_seq_len - n)
+    out = []
+    for group in bins:
+        out.append(
+            Sequence(
+                np.concatenate([e.tokens for e in group]),
+                np.concatenate([e.loss_mask for e in group]),
+                np.concatenate([np.full(len(e.tokens), i + 1, np.int32) for i, e in enumerate(group)]),
+                np.concatenate([np.arange(len(e.tokens), dtype=np.int32) for e in group]),
+            )
+        )
+    return out
+
+
+def to_sequences(data: TokenizedDataset, spec: DatasetSpec) -> list[Sequence]:
+    """One sequence per example, or packed sequences when dataset.packing is on."""
+    return pack(data.examples, spec.max_seq_len) if spec.packing else [_single(e) for e in data.examples]
+
+
+def collate(seqs: list[Sequence], rows: int, length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """A [rows, length] batch, right-padded; segment id 0 marks padding (no attention, no loss)."""
+    b = rows
+    batch = {
+        "input_tokens": np.full((b, length), pad_id, np.int32),
+        "input_mask": np.zeros((b, length), np.int32),
+        "segment_ids": np.zeros((b, length), np.int32),
+        "positions": np.zeros((b, length), np.int32),
+    }
+    for i, s in enumerate(seqs):
+        n = len(s.tokens)
+        batch["input_tokens"][i, :n] = s.tokens
+        batch["input_mask"][i, :n] = s.loss_mask
+        batch["segment_ids"][i, :n] = s.segment_ids
+        batch["positions"][i, :n] = s.positions
+    return batch
+
+
+# --------------------------------------------------------------------------- the stream
+
+
+class BatchStream:
+    """Endless, seeded, resumable stream of this process's share of each global batch.
+
+    Batch k holds stream items [k*B, (k+1)*B) where the stream is the concatenation of
+    per-epoch permutations (seeded by (seed, epoch)) of the sequences. Position = batches
+    consumed; `state()` / `restore()` round-trip it through the checkpoint.
+    """
+
+    def __init__(
+        self,
+        sequences: list[Sequence],
+        *,
+        global_batch: int,
+        seq_len: int,
+        seed: int,
+        pad_id: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> None:
+        if global_batch % process_count:
+            raise UserError(
+                f"the batch ({global_batch} rows) does not split evenly over {process_count} hosts: make "
+                "training.globalBatchSize / training.gradientAccumulation a multiple of the number of hosts"
+            )
+        self._seqs = sequences
+        self._global_batch = global_batch
+        self._local = global_batch // process_count
+        self._offset = process_index * self._local
+        self._seq_len = seq_len
+        self._seed = seed
+        self._pad_id = pad_id
+        self._batches = 0
+        self._perm_epoch = -1
+        self._perm = np.empty(0, np.int64)
+
+    def fingerprint(self) -> dict[str, int]:
+        """What must match for a saved position to mean the same data on resume."""
+        tokens = sum(int(s.tokens.size) for s in self._seqs)
+        return {"sequences": len(self._seqs), "tokens": tokens, "seed": self._seed, "globalBatch": self._global_batch}
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serialisable position (stored as the checkpoint's `data` item)."""
+        return {"batches": self._batches, **self.fingerprint()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue after the batches a checkpoint says were consumed (warn if the data changed)."""
+        if {k: state.get(k) for k in self.fingerprint()} != self.fingerprint():
+            log.warning(
+                "the training data differs from the checkpointed run's (%s vs %s); continuing at batch %d of the new data",
+                {k: state.get(k) for k in self.fingerprint()},
+                self.fingerprint(),
+                state["batches"],
+            )
+        self._batches = int(state["batches"])
+
+    def _item(self, j: int) -> Sequence:
+        epoch, pos = divmod(j, len(self._seqs))
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self._seed, epoch]).permutation(len(self._seqs))
+            self._perm_epoch = epoch
+        return self._seqs[int(self._perm[pos])]
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        start = self._batches * self._global_batch + self._offset
+        seqs = [self._item(j) for j in range(start, start + self._local)]
+        self._batches += 1
+        return collate(seqs, self._local, self._seq_len, self._pad_id)
+
+
+def eval_batches(
+    sequences: list[Sequence], *, global_batch: int, seq_len: int, pad_id: int, process_index: int = 0, process_count: int = 1
+) -> list[dict[str, np.ndarray]]:
+    """One pass over the eval set in file order; the last batch is filled up with padding rows."""
+    local = global_batch // process_count
+    out = []
+    for start in range(0, len(sequences), global_batch):
+        chunk = sequences[start : start + global_batch]
+        out.append(collate(chunk[process_index * local : (process_index + 1) * local], local, seq_len, pad_id))
+    return out
