@@ -1,0 +1,303 @@
+"""kopf handlers: read the event, call the pure functions, write children/status. Thin on purpose.
+
+Registered into a fresh `kopf.OperatorRegistry` by `build_registry(settings)` because the
+progress timer's interval comes from the operator settings. Handlers are sync (kopf runs them
+in its thread pool) and return None, so nothing lands in `status.<handler>`; kopf's own state
+lives in annotations (see `configure`). Secrets are only checked for existence: their data is
+never logged, posted or copied.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from lora_operator import status as st
+from lora_operator.api import API_VERSION, GROUP, VERSION, AdapterConversionSpec, LoraFinetuneSpec
+from lora_operator.kube import Kube, NotOwned
+from lora_operator.progress import progress_status, read_progress
+from lora_operator.render import (
+    ADC_LABEL,
+    COMPONENT_LABEL,
+    JOBSET_API,
+    LFT_LABEL,
+    ChildNames,
+    InvalidSpec,
+    Owner,
+    conversion_job_name,
+    output_uris,
+    parse_spec,
+    render_conversion_job,
+    render_export_jobs,
+    render_lora_finetune,
+    resolve_tpu,
+    tpu_summary,
+)
+from lora_operator.settings import OperatorSettings
+
+LFT = "lorafinetunes"
+ADC = "adapterconversions"
+SECRET_RETRY_SECONDS = 30
+
+
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """kopf bookkeeping in annotations (the status schema is pruned), one replica, quiet events."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.execution.max_workers = 16
+
+
+def _event(type: str, body: dict[str, Any], *, reason: str, message: str) -> None:
+    """A Kubernetes Event on the CR (always posted; kopf's own log-derived events stay at WARNING+)."""
+    kopf.event(body, type=type, reason=reason, message=message)
+
+
+# --- LoraFinetune ------------------------------------------------------------------------------
+
+
+def _fail(body: dict[str, Any], patch: kopf.Patch, status: dict[str, Any], reason: str, message: str, generation: int | None) -> None:
+    obs = st.Observation("Failed", reason, message)
+    patch.status.update(st.status_patch(dict(status), obs, generation, st.now_rfc3339()))
+    _event("Warning", body, reason=reason, message=message)
+
+
+def _check_secret(kube: Kube, namespace: str, spec: LoraFinetuneSpec) -> None:
+    """Raise InvalidSpec-like TemporaryError text when the referenced Secret or key is missing."""
+    ref = spec.hf_token_secret_ref
+    if ref is None:
+        return
+    secret = kube.get("v1", "Secret", namespace, ref.name)
+    if secret is None or ref.key not in (secret.get("data") or {}) | (secret.get("stringData") or {}):
+        what = f"Secret {ref.name!r}" if secret is None else f"key {ref.key!r} in Secret {ref.name!r}"
+        raise kopf.TemporaryError(
+            f"spec.hfTokenSecretRef: {what} not found in namespace {namespace}; create it "
+            f"(kubectl -n {namespace} create secret generic {ref.name} --from-literal={ref.key}=<HF token>) "
+            f"or fix hfTokenSecretRef; retrying every {SECRET_RETRY_SECONDS}s",
+            delay=SECRET_RETRY_SECONDS,
+        )
+
+
+def lft_reconcile(
+    body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any
+) -> None:
+    """create/resume: render and create (or adopt) the ConfigMap and the JobSet."""
+    if status.get("phase") in st.TERMINAL:
+        return
+    settings: OperatorSettings = memo.settings
+    kube: Kube = memo.kube
+    generation = meta.get("generation")
+    try:
+        manifests = render_lora_finetune(dict(body), settings)
+        spec = parse_spec(LoraFinetuneSpec, dict(body))
+        shape = resolve_tpu(spec, settings)
+    except InvalidSpec as e:
+        _fail(dict(body), patch, dict(status), "InvalidSpec", f"{e}", generation)
+        return
+    try:
+        _check_secret(kube, meta["namespace"], spec)
+    except kopf.TemporaryError as e:
+        conditions = st.set_condition(list(status.get("conditions") or []), "SecretsResolved", "False", "SecretNotFound",
+                                      str(e), generation, st.now_rfc3339())
+        patch.status.update({"phase": status.get("phase") or "Pending", "conditions": conditions})
+        _event("Warning", dict(body), reason="SecretNotFound", message=str(e))
+        raise
+    try:
+        for m in manifests:
+            kube.create_or_adopt(m)
+    except NotOwned as e:
+        _fail(dict(body), patch, dict(status), "NameConflict", str(e), generation)
+        return
+    names = ChildNames.of(meta["name"])
+    fields = {"jobSetName": names.jobset, "tpu": tpu_summary(shape, spec.tpu.slices), "totalSteps": spec.training.steps}
+    if status.get("phase"):  # resumed after an operator restart: the JobSet watcher owns the phase
+        patch.status.update(fields)
+        return
+    obs = (st.Observation("Suspended", "Suspended", "created suspended; set spec.suspend to false to start")
+           if spec.suspend else st.Observation("Pending", "JobSetCreated", f"created JobSet {names.jobset}; waiting for TPU pods"))
+    conditions = list(status.get("conditions") or [])
+    if spec.hf_token_secret_ref is not None:
+        conditions = st.set_condition(conditions, "SecretsResolved", "True", "SecretFound", "hfTokenSecretRef resolved",
+                                      generation, st.now_rfc3339())
+    patch.status.update(st.status_patch({"conditions": conditions}, obs, generation, st.now_rfc3339(),
+                                        progress=f"0/{spec.training.steps}", **fields))
+    _event("Normal", dict(body), reason="Created", message=f"created ConfigMap {names.config_map} and JobSet {names.jobset}")
+
+
+def lft_suspend(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, new: Any, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    """spec.suspend changed: suspend or resume the JobSet (pods go; the run resumes from its checkpoint)."""
+    if status.get("phase") in st.TERMINAL or not status.get("jobSetName"):
+        return
+    suspend = bool(new)
+    try:
+        memo.kube.merge_patch(JOBSET_API, "JobSet", meta["namespace"], status["jobSetName"], {"spec": {"suspend": suspend}})
+    except ApiException as e:
+        if e.status == 404:
+            raise kopf.TemporaryError(f"JobSet {status['jobSetName']} not found yet", delay=5) from e
+        raise
+    if suspend:
+        obs = st.Observation("Suspended", "Suspended", "suspended by spec.suspend; set it to false to resume from the last checkpoint")
+    else:
+        obs = st.Observation("Pending", "Resumed", "resumed; waiting for TPU pods (training continues from the last checkpoint)")
+    patch.status.update(st.status_patch(dict(status), obs, meta.get("generation"), st.now_rfc3339()))
+    _event("Normal", dict(body), reason=obs.reason, message=obs.message)
+
+
+def lft_progress(spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch, **_: Any) -> None:
+    """Timer while Running: copy `<output.uri>/progress.json` into status (no API rights for pods)."""
+    record = read_progress(spec["output"]["uri"])
+    if record is None:
+        return
+    fields = progress_status(record, int((spec.get("training") or {}).get("steps") or status.get("totalSteps") or 0))
+    changed = {k: v for k, v in fields.items() if status.get(k) != v}
+    if changed:
+        patch.status.update(changed)
+
+
+def _owner_cr(kube: Kube, child: dict[str, Any], kind: str, label: str) -> dict[str, Any] | None:
+    """The CR a child belongs to, only if the child's controller reference points at it."""
+    name = st.owner_name(child, label)
+    namespace = child.get("metadata", {}).get("namespace")
+    if not name or not namespace:
+        return None
+    cr = kube.get(API_VERSION, kind, namespace, name)
+    if cr is None:
+        return None
+    uid = cr.get("metadata", {}).get("uid")
+    refs = child.get("metadata", {}).get("ownerReferences") or []
+    return cr if any(r.get("uid") == uid and r.get("controller") for r in refs) else None
+
+
+def _write_status(kube: Kube, cr: dict[str, Any], obs: st.Observation, **fields: Any) -> None:
+    """Patch the CR's status if anything changed; post an Event when the phase or restarts change."""
+    current = cr.get("status") or {}
+    meta = cr["metadata"]
+    new = st.status_patch(current, obs, meta.get("generation"), st.now_rfc3339(), **fields)
+    if all(current.get(k) == v for k, v in new.items()):
+        return
+    kube.merge_patch(API_VERSION, cr["kind"], meta["namespace"], meta["name"], {"status": new}, status=True)
+    if current.get("phase") != obs.phase:
+        _event("Warning" if obs.phase == "Failed" else "Normal", cr, reason=obs.reason, message=obs.message)
+    elif (obs.restarts or 0) > (current.get("restarts") or 0):
+        _event("Warning", cr, reason="Restarted", message=f"the JobSet restarted (restart {obs.restarts}); training resumes from the last checkpoint")
+
+
+def jobset_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """An owned JobSet changed: map its status onto the LoraFinetune; on completion start the export."""
+    if type == "DELETED":
+        return
+    kube: Kube = memo.kube
+    cr = _owner_cr(kube, dict(body), "LoraFinetune", LFT_LABEL)
+    if cr is None or (cr.get("status") or {}).get("phase") in (*st.TERMINAL, "Exporting"):
+        return
+    obs = st.observe_jobset(dict(body))
+    if obs.phase == "Exporting":
+        _start_export(kube, cr, memo.settings, obs)
+        return
+    _write_status(kube, cr, obs)
+
+
+def _start_export(kube: Kube, cr: dict[str, Any], settings: OperatorSettings, obs: st.Observation) -> None:
+    try:
+        spec = parse_spec(LoraFinetuneSpec, cr)
+        jobs = render_export_jobs(Owner.from_body(cr), spec, settings)
+        for job in jobs:
+            kube.create_or_adopt(job)
+    except (InvalidSpec, NotOwned) as e:
+        _write_status(kube, cr, st.Observation("Failed", "ExportFailed", f"cannot start the export: {e}", obs.restarts))
+        return
+    if not jobs:
+        _write_status(kube, cr, st.Observation("Succeeded", "TrainingCompleted", "training finished; no export requested (output.export)",
+                                               obs.restarts, completion_time=obs.completion_time))
+        return
+    _write_status(kube, cr, obs)
+
+
+def export_job_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """An export Job changed: Exporting -> Succeeded (adapterUri) or Failed (ExportFailed)."""
+    if type == "DELETED":
+        return
+    kube: Kube = memo.kube
+    cr = _owner_cr(kube, dict(body), "LoraFinetune", LFT_LABEL)
+    if cr is None or (cr.get("status") or {}).get("phase") != "Exporting":
+        return
+    spec = parse_spec(LoraFinetuneSpec, cr)
+    names = ChildNames.of(cr["metadata"]["name"])
+    ns = cr["metadata"]["namespace"]
+    uris = output_uris(spec)
+    expected = [n for key, n in (("adapter", names.export), ("merged", names.export_merged)) if key in uris]
+    jobs = [kube.get("batch/v1", "Job", ns, n) for n in expected]
+    obs = st.combine_jobs([st.observe_job(j, "export") if j else st.Observation("Pending", "ExportPending", "") for j in jobs])
+    fields: dict[str, Any] = {}
+    if obs.phase == "Succeeded":
+        fields = {"adapterUri": uris.get("adapter"), "mergedUri": uris.get("merged")}
+    elif obs.phase == "Failed":
+        obs = st.Observation("Failed", "ExportFailed", obs.message, completion_time=obs.completion_time)
+    else:
+        return  # still exporting
+    _write_status(kube, cr, obs, **fields)
+
+
+# --- AdapterConversion -------------------------------------------------------------------------
+
+
+def adc_reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    """create/resume: create (or adopt) the conversion Job."""
+    if status.get("phase") in st.TERMINAL:
+        return
+    generation = meta.get("generation")
+    try:
+        spec = parse_spec(AdapterConversionSpec, dict(body))
+        job = render_conversion_job(Owner.from_body(dict(body)), spec, memo.settings)
+        memo.kube.create_or_adopt(job)
+    except (InvalidSpec, NotOwned) as e:
+        _fail(dict(body), patch, dict(status), "InvalidSpec" if isinstance(e, InvalidSpec) else "NameConflict", str(e), generation)
+        return
+    if status.get("phase"):
+        return
+    name = conversion_job_name(meta["name"])
+    obs = st.Observation("Pending", "JobCreated", f"created conversion Job {name}")
+    patch.status.update(st.status_patch({}, obs, generation, st.now_rfc3339(), jobName=name))
+    _event("Normal", dict(body), reason="Created", message=obs.message)
+
+
+def conversion_job_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """The conversion Job changed: report Running / Succeeded (outputUri) / Failed."""
+    if type == "DELETED":
+        return
+    kube: Kube = memo.kube
+    cr = _owner_cr(kube, dict(body), "AdapterConversion", ADC_LABEL)
+    if cr is None or (cr.get("status") or {}).get("phase") in st.TERMINAL:
+        return
+    obs = st.observe_job(dict(body), "conversion")
+    if obs.phase == "Failed":
+        obs = st.Observation("Failed", "ConversionFailed", obs.message, start_time=obs.start_time, completion_time=obs.completion_time)
+    output = cr["spec"]["target"]["uri"] if obs.phase == "Succeeded" else None
+    _write_status(kube, cr, obs, outputUri=output)
+
+
+# --- registry ----------------------------------------------------------------------------------
+
+
+def _running(status: kopf.Status, **_: Any) -> bool:
+    return status.get("phase") == "Running"
+
+
+def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
+    """Every handler of the operator, with the timer interval from the settings."""
+    registry = kopf.OperatorRegistry()
+    kopf.on.startup(registry=registry)(configure)
+    for decorator in (kopf.on.create, kopf.on.resume):
+        decorator(GROUP, VERSION, LFT, registry=registry, id="reconcile")(lft_reconcile)
+        decorator(GROUP, VERSION, ADC, registry=registry, id="reconcile")(adc_reconcile)
+    kopf.on.update(GROUP, VERSION, LFT, field="spec.suspend", registry=registry, id="suspend")(lft_suspend)
+    kopf.timer(GROUP, VERSION, LFT, interval=settings.progress_poll_seconds, when=_running, registry=registry, id="progress")(lft_progress)
+    kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LFT_LABEL: kopf.PRESENT}, registry=registry)(jobset_event)
+    kopf.on.event("batch", "v1", "jobs", labels={LFT_LABEL: kopf.PRESENT, COMPONENT_LABEL: "export"}, registry=registry)(export_job_event)
+    kopf.on.event("batch", "v1", "jobs", labels={ADC_LABEL: kopf.PRESENT, COMPONENT_LABEL: "convert"}, registry=registry)(conversion_job_event)
+    return registry

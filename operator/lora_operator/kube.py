@@ -1,0 +1,95 @@
+"""The few Kubernetes calls the handlers make, over the official client's REST layer.
+
+Plain JSON in and out (the children are rendered as dicts), one helper per verb, and
+create-or-adopt for idempotent child creation: deterministic names mean a retried or restarted
+operator gets 409 Conflict for what it already made, and adopts it if it owns it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import kubernetes.client
+from kubernetes.client.exceptions import ApiException
+
+from lora_operator.api import API_VERSION
+
+#: apiVersion + kind -> plural, for every kind the operator creates or reads.
+PLURALS = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Secret"): "secrets",
+    ("batch/v1", "Job"): "jobs",
+    ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobsets",
+    (API_VERSION, "LoraFinetune"): "lorafinetunes",
+    (API_VERSION, "AdapterConversion"): "adapterconversions",
+}
+
+
+class NotOwned(RuntimeError):
+    """A child name is taken by an object that this CR does not own."""
+
+
+def _path(api_version: str, kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{prefix}/namespaces/{namespace}/{PLURALS[(api_version, kind)]}"
+    if name:
+        path += f"/{name}"
+    if sub:
+        path += f"/{sub}"
+    return path
+
+
+class Kube:
+    """Synchronous JSON access to the API server (kopf runs sync handlers in a thread pool)."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+        self.api = api_client
+
+    def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> dict[str, Any]:
+        """One request; non-2xx answers raise ApiException with the status and the server's message."""
+        _, url, headers, body, _ = self.api.param_serialize(
+            method, path, header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body, auth_settings=["BearerToken"],
+        )
+        resp = self.api.call_api(method, url, header_params=headers, body=body)
+        data = resp.read()
+        if not 200 <= resp.status < 300:
+            raise ApiException(status=resp.status, reason=resp.reason, body=data.decode(errors="replace") if data else None)
+        return json.loads(data) if data else {}
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        try:
+            return self._call("GET", _path(api_version, kind, namespace, name))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create_or_adopt(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Create; on 409 return the existing object if it is owned by the same controller."""
+        meta = manifest["metadata"]
+        path = _path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
+        try:
+            return self._call("POST", path, manifest)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        existing = self.get(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+        if existing is None:  # deleted between the two calls: let the handler retry
+            raise RuntimeError(f"{manifest['kind']} {meta['name']} vanished after a conflict; retrying")
+        owner_uids = {r.get("uid") for r in meta.get("ownerReferences", [])}
+        theirs = {r.get("uid") for r in existing.get("metadata", {}).get("ownerReferences") or [] if r.get("controller")}
+        if not owner_uids & theirs:
+            raise NotOwned(
+                f"a {manifest['kind']} named {meta['name']} already exists in {meta['namespace']} and is not owned by this "
+                "resource; delete it or give the resource another name"
+            )
+        return existing
+
+    def merge_patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any], *, status: bool = False) -> dict[str, Any]:
+        return self._call(
+            "PATCH", _path(api_version, kind, namespace, name, "status" if status else None), patch,
+            content_type="application/merge-patch+json",
+        )

@@ -1,0 +1,69 @@
+"""`lora-operator run`: start kopf with our registry (one replica, standalone, liveness endpoint)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import kopf
+import kubernetes.client
+import kubernetes.config
+
+from lora_operator.handlers import build_registry
+from lora_operator.kube import Kube
+from lora_operator.settings import OperatorSettings, SettingsError, load_settings
+
+
+def kube_from_environment() -> Kube:
+    """In-cluster service account when running in a pod, else the local kubeconfig."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return Kube(kubernetes.client.ApiClient())
+
+
+def add_cluster_login(registry: kopf.OperatorRegistry) -> None:
+    """Authenticate kopf the same way as our client: service account in-cluster, else kubeconfig."""
+    kopf.on.login(registry=registry)(kopf.login_with_service_account)
+    kopf.on.login(registry=registry)(kopf.login_with_kubeconfig)
+
+
+async def operate(
+    settings: OperatorSettings,
+    kube: Kube,
+    registry: kopf.OperatorRegistry,
+    *,
+    namespaces: Sequence[str] = (),
+    liveness: str | None = None,
+    stop_flag: asyncio.Event | None = None,
+    ready_flag: asyncio.Event | None = None,
+) -> None:
+    """Run the operator until `stop_flag` is set (the tests and `run_operator` share this)."""
+    watched = list(namespaces) or settings.watch_namespaces
+    await kopf.operator(
+        registry=registry,
+        memo=kopf.Memo(settings=settings, kube=kube),
+        standalone=True,
+        clusterwide=not watched,
+        namespaces=watched,
+        liveness_endpoint=liveness,
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+    )
+
+
+def run_operator(*, namespaces: Sequence[str], liveness: str, settings_path: str | None) -> int:
+    """Entry point of `lora-operator run`."""
+    try:
+        settings = load_settings(settings_path)
+    except SettingsError as e:
+        print(f"lora-operator run: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    registry = build_registry(settings)
+    add_cluster_login(registry)
+    asyncio.run(operate(settings, kube_from_environment(), registry, namespaces=namespaces, liveness=liveness))
+    return 0

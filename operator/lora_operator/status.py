@@ -1,0 +1,178 @@
+"""JobSet/Job status -> CR phase, conditions, restarts and times. Pure functions.
+
+The JobSet controller reports `conditions` (Completed, Failed, Suspended), `restarts` and
+per-replicatedJob counts; the Job controller reports `conditions` (Complete, Failed), `active`,
+`startTime`, `completionTime`. These functions turn them into what a person reads in
+`kubectl get lft`: one phase and metav1.Conditions whose reason is CamelCase and whose
+message says what to do.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+from lora_operator.render import LFT_LABEL
+
+#: Phases after which nothing changes any more.
+TERMINAL = ("Succeeded", "Failed")
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What a child's status means for its CR."""
+
+    phase: str
+    reason: str
+    message: str
+    restarts: int | None = None
+    start_time: str | None = None
+    completion_time: str | None = None
+
+
+def _true_condition(status: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    for c in status.get("conditions") or []:
+        if c.get("type") == ctype and c.get("status") == "True":
+            return c
+    return None
+
+
+def observe_jobset(jobset: dict[str, Any]) -> Observation:
+    """Phase of a LoraFinetune from its JobSet (before export; `Completed` means training finished)."""
+    status = jobset.get("status") or {}
+    name = jobset.get("metadata", {}).get("name", "")
+    restarts = int(status.get("restarts") or 0)
+    logs = f"kubectl logs -l jobset.sigs.k8s.io/jobset-name={name} -c trainer"
+    if c := _true_condition(status, "Failed"):
+        reason = c.get("reason") or "JobSetFailed"
+        detail = c.get("message") or "the JobSet failed"
+        if reason == "ReachedMaxRestarts":
+            hint = (f"the run was restarted {restarts} times (preemptions or retriable faults); "
+                    f"inspect `{logs}` and recreate the LoraFinetune with a larger spec.maxRestarts if the faults were transient")
+        else:
+            hint = (f"a trainer pod exited with a non-retriable code (3 = bad config, model or data); "
+                    f"read `{logs}`, fix the spec and create a new LoraFinetune")
+        return Observation("Failed", "TrainingFailed", f"{detail} ({reason}): {hint}", restarts,
+                           completion_time=c.get("lastTransitionTime"))
+    if c := _true_condition(status, "Completed"):
+        return Observation("Exporting", "TrainingCompleted", "training finished; exporting the adapter", restarts,
+                           completion_time=c.get("lastTransitionTime"))
+    if (jobset.get("spec") or {}).get("suspend") or _true_condition(status, "Suspended"):
+        return Observation("Suspended", "Suspended", "the JobSet is suspended; set spec.suspend to false to resume from the last checkpoint", restarts)
+    jobs = status.get("replicatedJobsStatus") or []
+    if any((j.get("active") or 0) + (j.get("ready") or 0) > 0 for j in jobs):
+        return Observation("Running", "TrainingRunning", "trainer pods are running", restarts)
+    return Observation(
+        "Pending", "WaitingForPods",
+        "waiting for TPU nodes and pods to start (check Kueue admission and node pool capacity if this lasts)", restarts,
+    )
+
+
+def observe_job(job: dict[str, Any], what: str) -> Observation:
+    """Phase of an export or conversion Job; `what` names it in messages (e.g. `export`)."""
+    status = job.get("status") or {}
+    name = job.get("metadata", {}).get("name", "")
+    if c := _true_condition(status, "Failed"):
+        detail = c.get("message") or c.get("reason") or "the Job failed"
+        return Observation(
+            "Failed", f"{what.capitalize()}Failed",
+            f"{what} Job {name} failed: {detail}; read `kubectl logs job/{name}`, fix the cause and recreate the resource",
+            start_time=status.get("startTime"), completion_time=status.get("completionTime") or c.get("lastTransitionTime"),
+        )
+    if _true_condition(status, "Complete"):
+        return Observation("Succeeded", f"{what.capitalize()}Succeeded", f"{what} Job {name} finished",
+                           start_time=status.get("startTime"), completion_time=status.get("completionTime"))
+    if (status.get("active") or 0) > 0:
+        return Observation("Running", f"{what.capitalize()}Running", f"{what} Job {name} is running", start_time=status.get("startTime"))
+    return Observation("Pending", f"{what.capitalize()}Pending", f"{what} Job {name} is waiting for its pod")
+
+
+def combine_jobs(observations: list[Observation]) -> Observation:
+    """Several export Jobs (adapter, merged) as one: any failure fails, all must succeed."""
+    for o in observations:
+        if o.phase == "Failed":
+            return o
+    if observations and all(o.phase == "Succeeded" for o in observations):
+        ends = [o.completion_time for o in observations if o.completion_time]
+        return Observation("Succeeded", observations[0].reason, "; ".join(o.message for o in observations),
+                           completion_time=max(ends) if ends else None)
+    running = [o for o in observations if o.phase != "Succeeded"]
+    return running[0] if running else Observation("Pending", "ExportPending", "waiting for the export Job")
+
+
+#: Condition type that is True in each phase (the others become False).
+PHASE_CONDITION = {
+    "Pending": "Running",
+    "Running": "Running",
+    "Suspended": "Suspended",
+    "Exporting": "Exporting",
+    "Succeeded": "Succeeded",
+    "Failed": "Failed",
+}
+
+
+def set_condition(
+    conditions: list[dict[str, Any]], ctype: str, status: str, reason: str, message: str,
+    generation: int | None, now: str,
+) -> list[dict[str, Any]]:
+    """metav1.Condition upsert: lastTransitionTime changes only when `status` does."""
+    out = []
+    found = False
+    for c in conditions:
+        if c.get("type") == ctype:
+            found = True
+            changed = c.get("status") != status
+            c = {**c, "status": status, "reason": reason, "message": message,
+                 "lastTransitionTime": now if changed else c.get("lastTransitionTime", now)}
+            if generation is not None:
+                c["observedGeneration"] = generation
+        out.append(c)
+    if not found:
+        c = {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": now}
+        if generation is not None:
+            c["observedGeneration"] = generation
+        out.append(c)
+    return out
+
+
+def phase_conditions(
+    conditions: list[dict[str, Any]], phase: str, reason: str, message: str, generation: int | None, now: str
+) -> list[dict[str, Any]]:
+    """Conditions for `phase`: its own condition True (Running is False while Pending), others False."""
+    active = PHASE_CONDITION[phase]
+    status = "False" if phase == "Pending" else "True"
+    out = set_condition(conditions, active, status, reason, message, generation, now)
+    for c in list(out):
+        if c["type"] != active and c["type"] in PHASE_CONDITION.values() and c["status"] == "True":
+            out = set_condition(out, c["type"], "False", reason, message, generation, now)
+    return out
+
+
+def status_patch(
+    current: dict[str, Any], obs: Observation, generation: int | None, now: str, **fields: Any
+) -> dict[str, Any]:
+    """The status merge patch that moves a CR to `obs` (None fields are left out)."""
+    patch: dict[str, Any] = {
+        "phase": obs.phase,
+        "conditions": phase_conditions(list(current.get("conditions") or []), obs.phase, obs.reason, obs.message, generation, now),
+    }
+    if generation is not None:
+        patch["observedGeneration"] = generation
+    if obs.restarts is not None:
+        patch["restarts"] = obs.restarts
+    if not current.get("startTime") and (obs.start_time or obs.phase == "Running"):
+        patch["startTime"] = obs.start_time or now
+    if obs.phase in TERMINAL:
+        patch["completionTime"] = current.get("completionTime") or obs.completion_time or now
+    patch.update({k: v for k, v in fields.items() if v is not None})
+    return patch
+
+
+def owner_name(child: dict[str, Any], label: str = LFT_LABEL) -> str | None:
+    """The CR a child belongs to, from its label."""
+    return (child.get("metadata", {}).get("labels") or {}).get(label)

@@ -1,0 +1,363 @@
+"""The real operator (kopf, our handlers, the official kubernetes client) over HTTP against KMock.
+
+`Harness` serves `kmock.KubernetesEmulator` on loopback with our CRDs (from `crds/`) and the
+resources the operator touches registered for discovery, runs `lora_operator.runner.operate`
+in-process, and gives tests a small API: create/patch CRs (validated like the API server would:
+structural defaults, schema, CEL rules incl. transition rules), read objects, and emulate the
+JobSet and Job controllers by patching only their `status` subresource.
+
+RBAC evidence: every request the operator sends is recorded in `harness.requests` as
+`(verb, resource)` with RBAC verbs (get/list/watch/create/patch/update/delete) and resources as
+`<apiGroup>/<plural>[/<subresource>]` (`""` group for core, e.g. `/configmaps`). When env var
+`LORA_RBAC_USAGE_FILE` is set, the union over all harnesses of the run is written there as
+JSON: `[{"verb": ..., "apiGroup": ..., "resource": ...}, ...]` (sorted).
+
+Real cluster: with `KUBECONFIG` set and `LORA_E2E_REAL_CLUSTER=1`, `real_cluster()` says so and
+the scenarios that only make sense there can run; everything here needs only the emulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import threading
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock
+import kopf
+import kubernetes.client
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "operator"))
+from crdcheck import validate  # noqa: E402
+
+from lora_operator.handlers import build_registry  # noqa: E402
+from lora_operator.kube import Kube  # noqa: E402
+from lora_operator.runner import operate  # noqa: E402
+from lora_operator.settings import OperatorSettings  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD_DIR = ROOT / "crds"
+HARNESS_AGENT = "lora-harness"
+ALL_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+
+#: (group/version/plural, kind, namespaced, subresources) of the built-in resources in play.
+BUILTINS = [
+    ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, set()),
+    ("v1/namespaces", "Namespace", False, set()),
+    ("v1/events", "Event", True, set()),
+    ("v1/configmaps", "ConfigMap", True, set()),
+    ("v1/secrets", "Secret", True, set()),
+    ("batch/v1/jobs", "Job", True, {"status"}),
+    ("jobset.x-k8s.io/v1alpha2/jobsets", "JobSet", True, {"status"}),
+]
+PATHS = {
+    "LoraFinetune": "/apis/lora-operator.dev/v1alpha1/namespaces/{ns}/lorafinetunes",
+    "AdapterConversion": "/apis/lora-operator.dev/v1alpha1/namespaces/{ns}/adapterconversions",
+    "JobSet": "/apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets",
+    "Job": "/apis/batch/v1/namespaces/{ns}/jobs",
+    "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
+    "Secret": "/api/v1/namespaces/{ns}/secrets",
+    "Event": "/api/v1/namespaces/{ns}/events",
+}
+PLURAL_OF_KIND = {"LoraFinetune": "lorafinetunes", "AdapterConversion": "adapterconversions"}
+_RUN_USAGE: set[tuple[str, str]] = set()
+
+
+_RESOURCE_VERSIONS = itertools.count(1)
+
+
+class ApiServerEmulator(kmock.KubernetesEmulator):
+    """KMock plus what kopf relies on from a real API server: a fresh `resourceVersion` on every
+    write (kopf uses it to tell its own patches from stale watch events), `uid`, `generation`
+    and `creationTimestamp` on creation."""
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and isinstance(request.data, dict) and request.action in (
+            kmock.action.CREATE, kmock.action.UPDATE
+        ):
+            meta = request.data.setdefault("metadata", {})
+            meta["resourceVersion"] = str(next(_RESOURCE_VERSIONS))
+            if request.action == kmock.action.CREATE:
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.setdefault("generation", 1)
+                meta.setdefault("creationTimestamp", _now())
+        return await super()._handle(request)
+
+
+def real_cluster() -> bool:
+    """True when the caller asked for a real cluster (KUBECONFIG + LORA_E2E_REAL_CLUSTER=1)."""
+    return bool(os.environ.get("KUBECONFIG")) and os.environ.get("LORA_E2E_REAL_CLUSTER") == "1"
+
+
+class Rejected(Exception):
+    """The emulated API server refused an object (schema or CEL); `errors` name the fields."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _rbac_verb(req: kmock.Request) -> str | None:
+    action = req.action
+    if action is None:
+        return None
+    if action == kmock.action.UPDATE:
+        return "update" if req.method == kmock.method.PUT else "patch"
+    return {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}[action.value]
+
+
+class Harness:
+    """Emulated API server + in-process operator. Use as `async with Harness() as h:`."""
+
+    def __init__(self) -> None:
+        self.emulator = ApiServerEmulator(strict=False)
+        self.server: kmock.Server | None = None
+        self.http: aiohttp.ClientSession | None = None
+        self.url = ""
+        self._operator: threading.Thread | None = None
+        self._stop: threading.Event | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Harness:
+        await self.emulator.__aenter__()
+        for key, kind, namespaced, subresources in BUILTINS:
+            self.emulator.resources[key] = kmock.ResourceInfo(
+                kind=kind, singular=kind.lower(), verbs=ALL_VERBS, namespaced=namespaced, subresources=subresources
+            )
+        self.crds = [yaml.safe_load(p.read_text()) for p in sorted(CRD_DIR.glob("*.yaml"))]
+        for crd in self.crds:
+            spec = crd["spec"]
+            for version in spec["versions"]:
+                self.emulator.resources[f"{spec['group']}/{version['name']}/{spec['names']['plural']}"] = kmock.ResourceInfo(
+                    kind=spec["names"]["kind"], singular=spec["names"]["singular"], verbs=ALL_VERBS, namespaced=True,
+                    shortnames=set(spec["names"]["shortNames"]), categories=set(spec["names"]["categories"]),
+                    subresources=set(version.get("subresources") or {}),
+                )
+        self.server = kmock.Server(self.emulator)
+        await self.server.__aenter__()
+        self.url = str(self.server.url).rstrip("/")
+        self.http = aiohttp.ClientSession(headers={"User-Agent": HARNESS_AGENT})
+        for crd in self.crds:
+            await self._request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop_operator()
+        assert self.http is not None and self.server is not None
+        await self.http.close()
+        await self.server.__aexit__(None, None, None)
+        await self.emulator.__aexit__(None, None, None)
+        _RUN_USAGE.update(self.requests)
+        if path := os.environ.get("LORA_RBAC_USAGE_FILE"):
+            write_rbac_usage(Path(path), _RUN_USAGE)
+
+    async def start_operator(self, settings: OperatorSettings | None = None) -> None:
+        """Run the real operator until `stop_operator`, in its own thread and event loop: kopf
+        cancels every task created after its start when it stops, so it cannot share the test's loop."""
+        settings = settings or OperatorSettings(progress_poll_seconds=0.5)
+        registry = build_registry(settings)
+        url = self.url
+
+        @kopf.on.login(registry=registry)
+        def _login(**_: Any) -> kopf.ConnectionInfo:
+            return kopf.ConnectionInfo(server=url)
+
+        cfg = kubernetes.client.Configuration()
+        cfg.host = url
+        kube = Kube(kubernetes.client.ApiClient(cfg))
+        self._stop, ready = threading.Event(), threading.Event()
+        self._failure: BaseException | None = None
+
+        def run() -> None:
+            try:
+                asyncio.run(operate(settings, kube, registry, stop_flag=self._stop, ready_flag=ready))
+            except BaseException as e:  # reported by stop_operator
+                self._failure = e
+
+        self._operator = threading.Thread(target=run, name="kopf-operator", daemon=True)
+        self._operator.start()
+        if not await asyncio.to_thread(ready.wait, 30):
+            raise AssertionError(f"the operator did not become ready within 30s ({self._failure!r})")
+
+    async def stop_operator(self) -> None:
+        """Set kopf's stop flag and wait for the operator thread to end."""
+        if self._operator is None:
+            return
+        assert self._stop is not None
+        thread, self._operator = self._operator, None
+        self._stop.set()
+        await asyncio.to_thread(thread.join, 30)
+        if thread.is_alive():
+            raise AssertionError("the operator did not stop within 30s of its stop flag")
+        if self._failure is not None and not isinstance(self._failure, asyncio.CancelledError):
+            raise self._failure
+
+    # --- observation ----------------------------------------------------------------------
+
+    @property
+    def requests(self) -> set[tuple[str, str]]:
+        """(verb, `<group>/<plural>[/<sub>]`) of every request the operator (not the harness) sent."""
+        out = set()
+        for req in list(self.emulator):
+            if req.headers.get("User-Agent", "").startswith(HARNESS_AGENT) or req.resource is None or not req.resource.plural:
+                continue
+            verb = _rbac_verb(req)
+            if verb is None:
+                continue
+            resource = f"{req.resource.group or ''}/{req.resource.plural}"
+            if req.subresource:
+                resource += f"/{req.subresource}"
+            out.add((verb, resource))
+        return out
+
+    def server_errors(self) -> list[Exception]:
+        """Errors inside the emulator other than ordinary 404/409 answers (a bug in a request)."""
+        return [e for e in self.emulator.errors if not isinstance(e, kmock.KubernetesError)]
+
+    # --- HTTP -----------------------------------------------------------------------------
+
+    async def _request(self, method: str, path: str, body: Any = None, *, merge: bool = False) -> tuple[int, Any]:
+        assert self.http is not None
+        headers = {"Content-Type": "application/merge-patch+json" if merge else "application/json"}
+        async with self.http.request(method, self.url + path, data=json.dumps(body) if body is not None else None, headers=headers) as r:
+            text = await r.text()
+            return r.status, (json.loads(text) if text else None)
+
+    async def get(self, kind: str, name: str, namespace: str = "default") -> dict[str, Any] | None:
+        status, data = await self._request("GET", PATHS[kind].format(ns=namespace) + f"/{name}")
+        return data if status == 200 else None
+
+    async def list(self, kind: str, namespace: str = "default") -> list[dict[str, Any]]:
+        status, data = await self._request("GET", PATHS[kind].format(ns=namespace))
+        assert status == 200, data
+        return data["items"]
+
+    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Create like the API server: validate our CRs (defaults, schema, CEL), assign uid/generation."""
+        body = json.loads(json.dumps(body))
+        meta = body.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        if body["kind"] in PLURAL_OF_KIND:
+            body, errors = validate(PLURAL_OF_KIND[body["kind"]], body)
+            if errors:
+                raise Rejected(errors)
+            meta = body["metadata"]
+            meta["generation"] = 1
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", _now())
+        status, data = await self._request("POST", PATHS[body["kind"]].format(ns=meta["namespace"]), body)
+        assert status in (200, 201), data
+        return data
+
+    async def patch_spec(self, kind: str, name: str, spec_patch: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
+        """Update a CR's spec as a user would (transition rules checked, generation bumped)."""
+        old = await self.get(kind, name, namespace)
+        assert old is not None
+        new = json.loads(json.dumps(old))
+        new["spec"] = _merge(new["spec"], spec_patch)
+        new, errors = validate(PLURAL_OF_KIND[kind], new, old=old)
+        if errors:
+            raise Rejected(errors)
+        patch = {"spec": spec_patch, "metadata": {"generation": (old["metadata"].get("generation") or 1) + 1}}
+        status, data = await self._request("PATCH", PATHS[kind].format(ns=namespace) + f"/{name}", patch, merge=True)
+        assert status == 200, data
+        return data
+
+    async def patch_status(self, kind: str, name: str, status_patch: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
+        """What a controller does: merge-patch the status subresource."""
+        status, data = await self._request(
+            "PATCH", PATHS[kind].format(ns=namespace) + f"/{name}/status", {"status": status_patch}, merge=True
+        )
+        assert status == 200, data
+        return data
+
+    async def wait_for(
+        self, probe: Callable[[], Awaitable[Any]], *, timeout: float = 20, what: str = "condition"
+    ) -> Any:
+        """Poll `probe` until it returns something truthy."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = await probe()
+            if last:
+                return last
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+    async def wait_for_status(self, kind: str, name: str, check: Callable[[dict[str, Any]], bool], *, timeout: float = 20,
+                              namespace: str = "default") -> dict[str, Any]:
+        async def probe() -> dict[str, Any] | None:
+            obj = await self.get(kind, name, namespace)
+            return obj if obj and check(obj.get("status") or {}) else None
+
+        return await self.wait_for(probe, timeout=timeout, what=f"{kind} {name} status")
+
+    async def events_for(self, name: str, namespace: str = "default") -> list[dict[str, Any]]:
+        return [e for e in await self.list("Event", namespace) if e.get("involvedObject", {}).get("name") == name]
+
+    # --- controller emulation -------------------------------------------------------------
+
+    async def jobset_running(self, name: str, namespace: str = "default", *, restarts: int = 0) -> None:
+        """JobSet controller: all replicated Jobs active."""
+        js = await self.get("JobSet", name, namespace)
+        assert js is not None
+        rj = js["spec"]["replicatedJobs"][0]
+        await self.patch_status("JobSet", name, {
+            "restarts": restarts,
+            "restartsCountTowardsMax": restarts,
+            "replicatedJobsStatus": [{"name": rj["name"], "active": rj["replicas"], "ready": rj["replicas"],
+                                      "succeeded": 0, "failed": 0, "suspended": 0}],
+        }, namespace)
+
+    async def jobset_condition(self, name: str, ctype: str, reason: str, message: str, namespace: str = "default", **extra: Any) -> None:
+        """JobSet controller: terminal condition (Completed/Failed) with its terminalState."""
+        await self.patch_status("JobSet", name, {
+            "conditions": [{"type": ctype, "status": "True", "reason": reason, "message": message,
+                            "lastTransitionTime": _now()}],
+            "terminalState": ctype,
+            **extra,
+        }, namespace)
+
+    async def job_finished(self, name: str, *, failed: bool = False, message: str = "", namespace: str = "default") -> None:
+        """Job controller: Complete, or Failed with the pod's reason, plus times."""
+        now = _now()
+        ctype, reason = ("Failed", "BackoffLimitExceeded") if failed else ("Complete", "")
+        cond = {"type": ctype, "status": "True", "reason": reason, "message": message, "lastTransitionTime": now}
+        status = {"startTime": now, "active": 0, "conditions": [cond], ("failed" if failed else "succeeded"): 1}
+        if not failed:
+            status["completionTime"] = now
+        await self.patch_status("Job", name, status, namespace)
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = _merge(base.get(k), v)
+        return out
+    return patch
+
+
+def write_rbac_usage(path: Path, usage: set[tuple[str, str]]) -> None:
+    """Merge `usage` into the JSON file (the union over every harness of the run)."""
+    rows = {(r["verb"], r["apiGroup"], r["resource"]) for r in (json.loads(path.read_text()) if path.exists() else [])}
+    for verb, resource in usage:
+        group, _, plural = resource.partition("/")
+        rows.add((verb, group, plural))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([{"verb": v, "apiGroup": g, "resource": r} for v, g, r in sorted(rows)], indent=1) + "\n")
