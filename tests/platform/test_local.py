@@ -1,0 +1,154 @@
+"""run-local's pieces without training: manifest handling, path resolution, what the terminal shows."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lora_operator import local
+from lora_operator.cli import main as cli_main
+from lora_trainer import exit_codes
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def write_manifest(tmp_path: Path, spec: dict, **top: object) -> Path:
+    doc = {"apiVersion": "lora-operator.dev/v1alpha1", "kind": "LoraFinetune", "metadata": {"name": "t"}, "spec": spec, **top}
+    path = tmp_path / "lft.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+MINIMAL = {"model": {"source": "m"}, "dataset": {"train": "d.jsonl"}, "output": {"uri": "out"}}
+
+
+def test_demo_manifest_loads_and_names_its_cluster_only_fields() -> None:
+    name, spec = local.load_manifest(EXAMPLES / "lora-finetune.yaml")
+    assert name == "tiny-llama-demo"
+    assert local.cluster_only_fields_set(spec) == ["tpu", "queueName", "maxRestarts"]
+    assert set(local.CLUSTER_ONLY_FIELDS) >= {"tpu", "image", "queue_name", "service_account_name", "env", "resources"}
+
+
+def test_relative_paths_resolve_against_the_manifest_and_output_against_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec_dict = {
+        "model": {"source": "models/tiny"},
+        "dataset": {"train": "data/train.jsonl", "eval": "gs://bucket/eval.jsonl"},
+        "lora": {"restoreFrom": "/abs/adapter"},
+        "output": {"uri": "out"},
+    }
+    _, spec = local.load_manifest(write_manifest(tmp_path, spec_dict))
+    base = tmp_path / "manifests"
+    resolved = local.resolve_local_paths(spec, base)
+    assert resolved.model.source == str(base / "models" / "tiny")
+    assert resolved.dataset.train == str(base / "data" / "train.jsonl")
+    assert resolved.dataset.eval == "gs://bucket/eval.jsonl"
+    assert resolved.lora.restore_from == "/abs/adapter"
+    assert resolved.output.uri == str(base / "out")
+    monkeypatch.chdir(tmp_path)
+    assert local.resolve_local_paths(spec, base, "elsewhere").output.uri == str(tmp_path / "elsewhere")
+    assert local.resolve_local_paths(spec, base, "gs://bkt/run").output.uri == "gs://bkt/run"
+    with pytest.raises(local.ManifestError, match="--output 'gs://b/run'.*spec.output.uri"):
+        local.resolve_local_paths(spec, base, "gs://b/run")  # bucket names have 3+ characters
+    # The train config is the operator's, only with the paths changed.
+    assert resolved.train_config().training == spec.train_config().training
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("kind: [unclosed", "not valid YAML"),
+        ("apiVersion: v1\nkind: ConfigMap\n", "expected exactly one LoraFinetune"),
+        ("apiVersion: lora-operator.dev/v1\nkind: LoraFinetune\nspec: {}\n", "apiVersion"),
+        (
+            "apiVersion: lora-operator.dev/v1alpha1\nkind: LoraFinetune\nmetadata: {name: x}\n"
+            "spec: {model: {source: m}, dataset: {train: d}, output: {uri: o}, training: {steps: 0}}\n",
+            "spec.training.steps",
+        ),
+        (
+            "apiVersion: lora-operator.dev/v1alpha1\nkind: LoraFinetune\nmetadata: {name: x}\n"
+            "spec: {model: {source: m}, dataset: {train: d}, output: {uri: o}, lora: {rnak: 8}}\n",
+            "spec.lora.rnak",
+        ),
+    ],
+)
+def test_bad_manifest_is_one_paragraph_naming_the_field_and_a_user_error_exit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, needle: str
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    rc = cli_main(["run-local", "-f", str(path)])
+    err = capsys.readouterr().err
+    assert rc == exit_codes.USER_ERROR
+    assert needle in err and str(path) in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_missing_manifest_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["run-local", "-f", str(tmp_path / "nope.yaml")]) == exit_codes.USER_ERROR
+    assert "cannot read the manifest" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "0s"), (119, "119s"), (120, "2m"), (151, "2m31s"), (600, "10m"), (179 * 60, "179m"), (3 * 3600, "3h"),
+     (3 * 3600 + 300, "3h5m"), (8 * 3600, "8h"), (47 * 3600, "47h"), (50 * 3600, "2d2h"), (30 * 86400, "30d"), (800 * 86400, "2y70d")],
+)
+def test_age_is_printed_like_kubectl(seconds: int, text: str) -> None:
+    assert local.human_duration(seconds) == text
+
+
+def test_progress_line_and_bar() -> None:
+    record = {"step": 150, "totalSteps": 300, "loss": 2.34567, "tokensPerSecond": 1234.0, "eta": "35s"}
+    assert local.progress_line(record) == "step 150/300  loss 2.3457  1.2k tok/s  ETA 35s"
+    assert local.progress_line(record, bar_width=10).startswith("[#####.....]  50%  step 150/300")
+    assert "ETA 2m30s" in local.progress_line({"step": 1, "totalSteps": 2, "etaSeconds": 150})
+
+
+def test_progress_view_redraws_on_a_terminal_and_prints_lines_otherwise() -> None:
+    records = [{"step": s, "totalSteps": 4, "loss": 3.0 - s / 2, "tokensPerSecond": 10.0, "eta": "1s"} for s in (1, 2)]
+    plain = io.StringIO()
+    view = local.ProgressView(plain, live=False)
+    for r in records:
+        view(r)
+    view.close()
+    assert plain.getvalue().splitlines() == [local.progress_line(r) for r in records]
+    live = io.StringIO()
+    view = local.ProgressView(live, live=True)
+    for r in records:
+        view(r)
+    view.close()
+    assert live.getvalue().count("\r") == 2 and live.getvalue().endswith("\n") and live.getvalue().count("\n") == 1
+
+
+def test_status_table_has_the_kubectl_get_columns() -> None:
+    created = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    obj = {
+        "metadata": {"name": "tiny-llama-demo", "creationTimestamp": created.isoformat()},
+        "spec": {},
+        "status": {"phase": "Succeeded", "tpu": "local cpu x1", "progress": "300/300", "loss": "0.8123", "restarts": 0},
+    }
+    header, row = local.status_table(obj, created + timedelta(seconds=151)).splitlines()
+    assert header.split() == ["NAME", "PHASE", "TPU", "STEP", "LOSS", "RESTARTS", "AGE"]
+    assert row.split() == ["tiny-llama-demo", "Succeeded", "local", "cpu", "x1", "300/300", "0.8123", "0", "2m31s"]
+    # Columns line up as kubectl's do: each header starts where its value starts.
+    assert row.index("Succeeded") == header.index("PHASE") and row.index("2m31s") == header.index("AGE")
+
+
+def test_loss_plot_is_a_png_of_the_metrics(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    lines = [json.dumps({"step": s, "loss": 5.0 / s}) for s in range(1, 30)] + ["", "{truncated", json.dumps({"step": 10, "evalLoss": 1.0})]
+    records = local.read_metrics("\n".join(lines))
+    assert len(records) == 30
+    png = local.loss_plot_png(records, "t")
+    path = tmp_path / "loss.png"
+    path.write_bytes(png)
+    image = matplotlib.image.imread(path)
+    assert image.shape[:2] == (400, 700)
+    with pytest.raises(local.UserError, match="nothing to plot"):
+        local.loss_plot_png([{"step": 1}], "t")
