@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jsonpatch
 import kmock
 import kopf
 import kubernetes.client
@@ -78,20 +79,28 @@ _RESOURCE_VERSIONS = itertools.count(1)
 
 class ApiServerEmulator(kmock.KubernetesEmulator):
     """KMock plus what kopf relies on from a real API server: a fresh `resourceVersion` on every
-    write (kopf uses it to tell its own patches from stale watch events), `uid`, `generation`
-    and `creationTimestamp` on creation."""
+    write (kopf uses it to tell its own patches from stale watch events, and as a JSON-patch
+    `test` for optimistic concurrency, answered 422 when stale), `generateName`, and `uid`,
+    `generation` and `creationTimestamp` on creation."""
 
     async def _handle(self, request: kmock.Request) -> Any:
-        if request.resource is not None and isinstance(request.data, dict) and request.action in (
-            kmock.action.CREATE, kmock.action.UPDATE
-        ):
-            meta = request.data.setdefault("metadata", {})
-            meta["resourceVersion"] = str(next(_RESOURCE_VERSIONS))
-            if request.action == kmock.action.CREATE:
-                meta.setdefault("uid", str(uuid.uuid4()))
-                meta.setdefault("generation", 1)
-                meta.setdefault("creationTimestamp", _now())
-        return await super()._handle(request)
+        if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
+            version = str(next(_RESOURCE_VERSIONS))
+            if isinstance(request.data, list):  # JSON patch
+                request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
+            elif isinstance(request.data, dict):
+                meta = request.data.setdefault("metadata", {})
+                meta["resourceVersion"] = version
+                if request.action == kmock.action.CREATE:
+                    if "name" not in meta and "generateName" in meta:
+                        meta["name"] = meta["generateName"] + uuid.uuid4().hex[:8]
+                    meta.setdefault("uid", str(uuid.uuid4()))
+                    meta.setdefault("generation", 1)
+                    meta.setdefault("creationTimestamp", _now())
+        try:
+            return await super()._handle(request)
+        except jsonpatch.JsonPatchTestFailed as e:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=f"the object has been modified: {e}") from e
 
 
 def real_cluster() -> bool:

@@ -28,6 +28,9 @@ def read_progress(output_uri: str) -> dict[str, Any] | None:
     except TrainerError as e:
         log.debug("no progress yet at %s: %s", uri, e)
         return None
+    except Exception as e:  # e.g. missing cloud credentials: report, keep the timer alive
+        log.warning("cannot read progress %s: %s: %s", uri, type(e).__name__, e)
+        return None
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:

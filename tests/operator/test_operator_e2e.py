@@ -12,11 +12,12 @@ from k8s_harness import Harness, Rejected
 pytestmark = pytest.mark.timeout(120)
 
 
-def lft(name: str, output: str = "gs://runs-bucket/run", **spec: Any) -> dict[str, Any]:
+def lft(name: str, output: str | None = None, **spec: Any) -> dict[str, Any]:
     base = {
         "model": {"source": "gs://models-bucket/llama"},
         "dataset": {"train": "gs://data-bucket/train.jsonl"},
-        "output": {"uri": output},
+        # A local path nobody writes: the progress timer finds nothing and touches no cloud storage.
+        "output": {"uri": output or f"/nonexistent/lora-runs/{name}"},
         "tpu": {"type": "v5p", "topology": "2x2x2", "slices": 2},
         "training": {"steps": 100},
     }
@@ -47,3 +48,215 @@ async def test_create_makes_jobset_and_configmap_once(h):
     assert any(e["reason"] == "Created" for e in await h.events_for("run-a"))
     # kopf's bookkeeping is in annotations, not in the (pruned) status.
     assert set(st["status"]) <= {"phase", "conditions", "observedGeneration", "jobSetName", "tpu", "totalSteps", "progress", "restarts"}
+
+
+def _phase(p: str):
+    return lambda s: s.get("phase") == p
+
+
+def _cond(status: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == ctype)
+
+
+async def test_running_progress_and_restarts(h, tmp_path):
+    out = tmp_path / "run-b"
+    await h.create(lft("run-b", output=str(out)))
+    await h.wait_for_status("LoraFinetune", "run-b", _phase("Pending"))
+    await h.jobset_running("run-b")
+    st = await h.wait_for_status("LoraFinetune", "run-b", _phase("Running"))
+    assert _cond(st["status"], "Running")["status"] == "True"
+    assert st["status"]["startTime"]
+    out.mkdir(parents=True)
+    (out / "progress.json").write_text(json.dumps({
+        "step": 42, "totalSteps": 100, "loss": 1.23456, "learningRate": 1e-4, "tokensPerSecond": 5120.0,
+        "stepTimeSeconds": 0.5, "etaSeconds": 29.0, "eta": "29s", "mfu": None,
+        "lastCheckpoint": f"{out}/checkpoints/40", "time": "2026-12-03T08:00:00Z",
+    }))
+    st = await h.wait_for_status("LoraFinetune", "run-b", lambda s: s.get("step") == 42)
+    assert st["status"]["progress"] == "42/100"
+    assert st["status"]["loss"] == "1.235"
+    assert st["status"]["tokensPerSecond"] == "5120"
+    assert st["status"]["eta"] == "29s"
+    assert st["status"]["lastCheckpoint"].endswith("/checkpoints/40")
+    await h.jobset_running("run-b", restarts=1)
+    st = await h.wait_for_status("LoraFinetune", "run-b", lambda s: s.get("restarts") == 1)
+    assert st["status"]["phase"] == "Running"
+    await h.wait_for(lambda: _has_event(h, "run-b", "Restarted"), what="Restarted event")
+
+
+async def _has_event(h: Harness, name: str, reason: str) -> bool:
+    return any(e["reason"] == reason for e in await h.events_for(name))
+
+
+async def test_suspend_and_resume(h):
+    await h.create(lft("run-c"))
+    await h.wait_for_status("LoraFinetune", "run-c", _phase("Pending"))
+    await h.jobset_running("run-c")
+    await h.wait_for_status("LoraFinetune", "run-c", _phase("Running"))
+    await h.patch_spec("LoraFinetune", "run-c", {"suspend": True})
+    st = await h.wait_for_status("LoraFinetune", "run-c", _phase("Suspended"))
+    assert _cond(st["status"], "Suspended")["status"] == "True"
+    assert _cond(st["status"], "Running")["status"] == "False"
+    assert (await h.get("JobSet", "run-c"))["spec"]["suspend"] is True
+    await h.patch_spec("LoraFinetune", "run-c", {"suspend": False})
+    await h.wait_for(lambda: _jobset_suspend_is(h, "run-c", False), what="JobSet resumed")
+    st = await h.wait_for_status("LoraFinetune", "run-c", _phase("Running"))
+    assert _cond(st["status"], "Suspended")["status"] == "False"
+    assert [o["metadata"]["name"] for o in await h.list("JobSet")] == ["run-c"]
+    # Everything else in the spec is immutable once created.
+    with pytest.raises(Rejected, match="immutable"):
+        await h.patch_spec("LoraFinetune", "run-c", {"lora": {"rank": 4}})
+
+
+async def _jobset_suspend_is(h: Harness, name: str, value: bool) -> bool:
+    js = await h.get("JobSet", name)
+    return js is not None and js["spec"]["suspend"] is value
+
+
+async def test_completion_exports_then_succeeds(h):
+    await h.create(lft("run-d", output="gs://runs-bucket/run-d"))
+    await h.wait_for_status("LoraFinetune", "run-d", _phase("Pending"))
+    await h.jobset_running("run-d")
+    await h.jobset_condition("run-d", "Completed", "AllJobsCompleted", "jobset completed successfully")
+    st = await h.wait_for_status("LoraFinetune", "run-d", _phase("Exporting"))
+    job = await h.get("Job", "run-d-export")
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"] == [
+        "lora-trainer", "export", "--checkpoint", "gs://runs-bucket/run-d/checkpoints", "--out", "gs://runs-bucket/run-d/hf-adapter"
+    ]
+    assert job["metadata"]["ownerReferences"][0]["uid"] == st["metadata"]["uid"]
+    await h.job_finished("run-d-export")
+    st = await h.wait_for_status("LoraFinetune", "run-d", _phase("Succeeded"))
+    assert st["status"]["adapterUri"] == "gs://runs-bucket/run-d/hf-adapter"
+    assert st["status"]["completionTime"]
+    assert _cond(st["status"], "Succeeded")["status"] == "True"
+    await h.wait_for(lambda: _has_event(h, "run-d", "ExportSucceeded"), what="ExportSucceeded event")
+
+
+async def test_merged_export_needs_both_jobs(h):
+    spec = lft("run-m", output="gs://runs-bucket/run-m")
+    spec["spec"]["output"]["export"] = {"hfPeft": True, "merged": True}
+    await h.create(spec)
+    await h.wait_for_status("LoraFinetune", "run-m", _phase("Pending"))
+    await h.jobset_condition("run-m", "Completed", "AllJobsCompleted", "done")
+    await h.wait_for_status("LoraFinetune", "run-m", _phase("Exporting"))
+    await h.wait_for(lambda: h.get("Job", "run-m-export-merged"), what="merged export Job")
+    await h.job_finished("run-m-export")
+    await h.job_finished("run-m-export-merged")
+    st = await h.wait_for_status("LoraFinetune", "run-m", _phase("Succeeded"))
+    assert st["status"]["mergedUri"] == "gs://runs-bucket/run-m/merged"
+
+
+async def test_jobset_failure_fails_the_run_with_a_reason(h):
+    await h.create(lft("run-e"))
+    await h.wait_for_status("LoraFinetune", "run-e", _phase("Pending"))
+    await h.jobset_condition("run-e", "Failed", "FailedJobs", "jobset failed due to PodFailurePolicy")
+    st = await h.wait_for_status("LoraFinetune", "run-e", _phase("Failed"))
+    failed = _cond(st["status"], "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "TrainingFailed"
+    assert "PodFailurePolicy" in failed["message"] and "kubectl logs" in failed["message"]
+    await h.wait_for(lambda: _has_event(h, "run-e", "TrainingFailed"), what="TrainingFailed event")
+    assert await h.list("Job") == []
+
+
+async def test_export_failure_fails_with_export_failed(h):
+    await h.create(lft("run-f"))
+    await h.wait_for_status("LoraFinetune", "run-f", _phase("Pending"))
+    await h.jobset_condition("run-f", "Completed", "AllJobsCompleted", "done")
+    await h.wait_for_status("LoraFinetune", "run-f", _phase("Exporting"))
+    await h.job_finished("run-f-export", failed=True, message="Job has reached the specified backoff limit")
+    st = await h.wait_for_status("LoraFinetune", "run-f", _phase("Failed"))
+    failed = _cond(st["status"], "Failed")
+    assert failed["reason"] == "ExportFailed"
+    assert "backoff limit" in failed["message"] and "run-f-export" in failed["message"]
+    assert "adapterUri" not in st["status"]
+
+
+async def test_adapter_conversion(h):
+    await h.create({
+        "apiVersion": "lora-operator.dev/v1alpha1", "kind": "AdapterConversion", "metadata": {"name": "conv"},
+        "spec": {
+            "source": {"uri": "gs://runs-bucket/a/hf-adapter", "format": "hf-peft"},
+            "target": {"uri": "gs://runs-bucket/a/orbax", "format": "orbax"},
+            "model": {"source": "gs://models-bucket/llama", "family": "llama3"},
+        },
+    })
+    st = await h.wait_for_status("AdapterConversion", "conv", _phase("Pending"))
+    assert st["status"]["jobName"] == "conv-convert"
+    job = await h.get("Job", "conv-convert")
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"][:6] == [
+        "lora-trainer", "convert", "--from", "hf-peft", "--to", "orbax"
+    ]
+    await h.patch_status("Job", "conv-convert", {"active": 1, "startTime": "2026-12-03T08:00:00Z"})
+    await h.wait_for_status("AdapterConversion", "conv", _phase("Running"))
+    await h.job_finished("conv-convert")
+    st = await h.wait_for_status("AdapterConversion", "conv", _phase("Succeeded"))
+    assert st["status"]["outputUri"] == "gs://runs-bucket/a/orbax"
+    with pytest.raises(Rejected, match="spec.merged"):
+        await h.create({
+            "apiVersion": "lora-operator.dev/v1alpha1", "kind": "AdapterConversion", "metadata": {"name": "bad"},
+            "spec": {"source": {"uri": "a", "format": "hf-peft"}, "target": {"uri": "b", "format": "orbax"},
+                     "model": {"source": "m"}, "merged": True},
+        })
+
+
+async def test_operator_restart_keeps_exactly_one_jobset(h):
+    await h.create(lft("run-g"))
+    await h.wait_for(lambda: h.get("JobSet", "run-g"), what="JobSet")
+    await h.stop_operator()
+    await h.start_operator()
+    await h.jobset_running("run-g")
+    await h.wait_for_status("LoraFinetune", "run-g", _phase("Running"))
+    assert [o["metadata"]["name"] for o in await h.list("JobSet")] == ["run-g"]
+    assert [o["metadata"]["name"] for o in await h.list("ConfigMap")] == ["run-g-config"]
+
+
+async def test_bad_crs_fail_with_the_field_and_others_keep_running(h, caplog):
+    secret_value = "hf_TOPSECRET_value_123"
+    # Past the schema (the allowlist is the operator's setting, not the CRD's): refused by the operator.
+    await h.create(lft("bad-image", image="docker.io/evil/miner:1"))
+    st = await h.wait_for_status("LoraFinetune", "bad-image", _phase("Failed"))
+    failed = _cond(st["status"], "Failed")
+    assert failed["reason"] == "InvalidSpec" and "spec.image" in failed["message"]
+    assert "ghcr.io/lora-operator/lora-trainer" in failed["message"]
+    # A missing Secret: a False condition naming the field and the fix; no JobSet yet.
+    await h.create(lft("no-secret", hfTokenSecretRef={"name": "hf-token"}))
+    st = await h.wait_for_status("LoraFinetune", "no-secret", lambda s: any(
+        c["type"] == "SecretsResolved" and c["status"] == "False" for c in s.get("conditions", [])))
+    msg = _cond(st["status"], "SecretsResolved")["message"]
+    assert "spec.hfTokenSecretRef" in msg and "kubectl -n default create secret generic hf-token" in msg
+    assert await h.get("JobSet", "no-secret") is None
+    # The operator keeps serving the others; a CR whose Secret exists runs, the token only by reference.
+    await h.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-ok"},
+                    "stringData": {"token": secret_value}, "data": {"token": "aGZfVE9QU0VDUkVUX3ZhbHVlXzEyMw=="}})
+    await h.create(lft("good", hfTokenSecretRef={"name": "hf-ok"}))
+    await h.wait_for_status("LoraFinetune", "good", _phase("Pending"))
+    js = await h.get("JobSet", "good")
+    env = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-ok", "key": "token"}}} in env
+    everything = json.dumps([o for kind in ("LoraFinetune", "JobSet", "ConfigMap", "Event", "Job") for o in await h.list(kind)])
+    assert secret_value not in everything and "aGZfVE9QU0VDUkVU" not in everything
+    assert secret_value not in caplog.text
+    # Rejected at admission (schema/CEL) with the field named.
+    with pytest.raises(Rejected, match="spec.tpu.topology"):
+        await h.create(lft("bad-topo", tpu={"type": "v5e", "topology": "2x2x2"}))
+
+
+async def test_rbac_usage_is_recorded(tmp_path, monkeypatch):
+    usage = tmp_path / "rbac.json"
+    monkeypatch.setenv("LORA_RBAC_USAGE_FILE", str(usage))
+    async with Harness() as h:
+        await h.start_operator()
+        await h.create(lft("run-r"))
+        await h.wait_for_status("LoraFinetune", "run-r", _phase("Pending"))
+        await h.jobset_condition("run-r", "Completed", "AllJobsCompleted", "done")
+        await h.wait_for_status("LoraFinetune", "run-r", _phase("Exporting"))
+        await h.stop_operator()
+        used = h.requests
+    for expected in [("create", "jobset.x-k8s.io/jobsets"), ("create", "/configmaps"), ("create", "batch/jobs"),
+                     ("patch", "lora-operator.dev/lorafinetunes/status"), ("watch", "lora-operator.dev/lorafinetunes"),
+                     ("list", "apiextensions.k8s.io/customresourcedefinitions"), ("create", "/events"),
+                     ("get", "lora-operator.dev/lorafinetunes")]:
+        assert expected in used, expected
+    rows = json.loads(usage.read_text())
+    assert {"verb": "create", "apiGroup": "jobset.x-k8s.io", "resource": "jobsets"} in rows
+    assert not any(r["resource"] == "secrets" and r["verb"] != "get" for r in rows)
