@@ -182,8 +182,8 @@ def test_rbac_is_cluster_wide_only_when_watching_every_namespace() -> None:
 
     namespaced = render(CUSTOM_VALUES)
     cluster_rules = _rules(namespaced, "ClusterRole")
-    # Only the discovery reads kopf needs stay cluster-wide, and they are read-only.
-    assert {res for r in cluster_rules for res in r["resources"]} == {"customresourcedefinitions", "namespaces"}
+    # Only the CRD discovery kopf needs stays cluster-wide, and it is read-only.
+    assert {res for r in cluster_rules for res in r["resources"]} == {"customresourcedefinitions"}
     assert {v for r in cluster_rules for v in r["verbs"]} == {"list", "watch"}
     for ns in CUSTOM_VALUES["watchNamespaces"]:
         assert any("jobsets" in r["resources"] for r in _rules(namespaced, "Role", ns))

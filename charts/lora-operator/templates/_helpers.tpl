@@ -75,16 +75,16 @@ ClusterRole (all namespaces) and the per-namespace Roles grant exactly the same.
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["lora-operator.dev"]
   resources: ["lorafinetunes/status", "adapterconversions/status"]
-  verbs: ["get", "patch"]
-# The trainer: one JobSet per LoraFinetune; suspend/resume patches spec.suspend.
+  verbs: ["patch"]
+# The trainer: one JobSet per LoraFinetune (get: adopt it after an operator restart; patch: spec.suspend).
 - apiGroups: ["jobset.x-k8s.io"]
   resources: ["jobsets"]
   verbs: ["get", "list", "watch", "create", "patch"]
-# Export and conversion Jobs.
+# Export and conversion Jobs (watched for their outcome).
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create"]
-# The train config handed to the trainer pods.
+# The train config handed to the trainer pods (get: adopt it after an operator restart).
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create"]
@@ -98,12 +98,9 @@ ClusterRole (all namespaces) and the per-namespace Roles grant exactly the same.
   verbs: ["create"]
 {{- end }}
 
-{{/* Cluster-scoped reads kopf needs in every mode: discovering its CRDs and the namespaces. */}}
+{{/* Cluster-scoped reads kopf needs in every mode: it watches CRDs to discover its resources. */}}
 {{- define "lora-operator.clusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
-  verbs: ["list", "watch"]
-- apiGroups: [""]
-  resources: ["namespaces"]
   verbs: ["list", "watch"]
 {{- end }}
