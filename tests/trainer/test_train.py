@@ -1,0 +1,125 @@
+"""Training: only LoRA params move, loss falls, and a run writes checkpoints, metrics and progress."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from trainer_fixtures import arithmetic_rows, parse, tiny_llama, train_config, write_jsonl
+
+from lora_trainer import checkpoint, data, schedule
+from lora_trainer.config import DatasetSpec, LoraSpec, TrainingSpec
+from lora_trainer.lora import apply_lora, lora_state
+from lora_trainer.models import load_model
+from lora_trainer.progress import format_eta, progress_record
+from lora_trainer.train import incompatibilities, make_trainer, run_training
+
+PROGRESS_KEYS = {
+    "step", "totalSteps", "loss", "learningRate", "tokensPerSecond", "stepTimeSeconds",
+    "etaSeconds", "eta", "mfu", "lastCheckpoint", "time",
+}  # fmt: skip
+
+
+def _base_params(model: nnx.Module) -> dict:
+    state = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    return {"/".join(map(str, p)): np.array(v.get_value()) for p, v in nnx.to_flat_state(state)}
+
+
+@pytest.mark.slow
+def test_only_lora_params_train_and_loss_falls(tmp_path):
+    loaded = load_model(str(tiny_llama()), dtype="float32")
+    applied = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0)
+    base_before = _base_params(applied.model)
+    lora_before = jax.tree.map(np.array, lora_state(applied.model))
+    assert len(applied.module_paths) == 7  # q, k, v, o, gate, up, down of the one layer
+
+    spec = DatasetSpec(train=write_jsonl(tmp_path / "t.jsonl", arithmetic_rows(32)), max_seq_len=32)
+    tok = data.load_tokenizer(tiny_llama())
+    seqs = data.to_sequences(data.tokenize_file(spec.train, spec, tok), spec)
+    stream = data.BatchStream(seqs, global_batch=8, seq_len=32, seed=0, pad_id=tok.pad_token_id)
+    trainer = make_trainer(applied.model, TrainingSpec(steps=20, learning_rate=0.01, schedule="constant"))
+    losses = []
+    for _ in range(20):
+        trainer.train([next(stream)])
+        losses.append(float(trainer.train_aux[-1]["loss"]))
+
+    assert np.mean(losses[-3:]) < 0.6 * np.mean(losses[:3]), losses
+    base_after = _base_params(trainer.model)
+    assert base_after.keys() == base_before.keys() and len(base_after) >= 9
+    for name, before in base_before.items():
+        assert np.array_equal(before, base_after[name]), f"base param {name} changed"
+    lora_after = lora_state(trainer.model)
+    for path, params in lora_before.items():
+        for name, before in params.items():
+            assert not np.array_equal(before, np.asarray(lora_after[path][name])), f"LoRA param {path}/{name} did not train"
+
+
+def test_learning_rate_schedules():
+    cos = schedule.learning_rate_schedule(TrainingSpec(steps=10, learning_rate=1.0, warmup_steps=2, schedule="cosine"))
+    assert [float(cos(s)) for s in (0, 1, 2)] == pytest.approx([0.0, 0.5, 1.0])
+    assert float(cos(6)) == pytest.approx(0.5) and float(cos(10)) == pytest.approx(0.0)
+    lin = schedule.learning_rate_schedule(TrainingSpec(steps=10, learning_rate=1.0, schedule="linear"))
+    assert [float(lin(s)) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
+    const = schedule.learning_rate_schedule(TrainingSpec(steps=10, learning_rate=0.3, warmup_steps=3, schedule="constant"))
+    assert [float(const(s)) for s in (0, 3, 9)] == pytest.approx([0.0, 0.3, 0.3])
+    # Weight decay reaches AdamW: a zero gradient still shrinks a parameter.
+    opt = schedule.optimizer(TrainingSpec(steps=10, learning_rate=0.1, schedule="constant", weight_decay=0.5))
+    params = {"w": jax.numpy.ones(2)}
+    updates, _ = opt.update({"w": jax.numpy.zeros(2)}, opt.init(params), params)
+    assert float(optax.apply_updates(params, updates)["w"][0]) == pytest.approx(1 - 0.1 * 0.5)
+
+
+def test_progress_record_schema_and_eta():
+    rec = progress_record(
+        step=10, total_steps=100, loss=1.5, learning_rate=1e-4, tokens_per_second=1000.0,
+        step_time_seconds=41.5, mfu=None, last_checkpoint="gs://b/run/checkpoints/10",
+    )  # fmt: skip
+    assert set(rec) == PROGRESS_KEYS
+    assert rec["etaSeconds"] == pytest.approx(90 * 41.5) and rec["eta"] == "1h02m"
+    assert rec["time"].endswith("Z")
+    assert [format_eta(s) for s in (0, 59, 61, 3600)] == ["0s", "59s", "1m01s", "1h00m"]
+    assert progress_record(**{**_REC, "loss": float("nan")})["loss"] is None
+
+
+_REC = dict(step=1, total_steps=2, loss=1.0, learning_rate=0.1, tokens_per_second=1.0, step_time_seconds=1.0, mfu=0.5, last_checkpoint=None)
+
+
+def test_incompatibilities_name_the_changed_fields():
+    saved = {"baseModel": "gs://m/a", "family": "llama3", "rank": 8, "alpha": 16.0, "targetModules": "x", "quantization": None}
+    assert incompatibilities(saved, dict(saved)) == []
+    changed = incompatibilities(saved, {**saved, "rank": 4, "baseModel": "gs://m/b"})
+    assert changed == ["model.source (checkpoint: 'gs://m/a', config: 'gs://m/b')", "lora.rank (checkpoint: 8, config: 4)"]
+
+
+@pytest.mark.slow
+def test_run_writes_checkpoints_metrics_progress_and_tensorboard(tmp_path):
+    out = tmp_path / "out"
+    cfg = train_config(tmp_path, str(out), steps=6, checkpointEvery=2, checkpointsToKeep=2, gradientAccumulation=2, evalEvery=3)
+    cfg["dataset"]["eval"] = cfg["dataset"]["train"]
+    seen = []
+    result = run_training(parse(cfg), on_progress=seen.append)
+
+    assert result.final_step == 6
+    assert checkpoint.committed_steps(result.checkpoint_root) == [4, 6]
+    tree, meta = checkpoint.read_lora(result.checkpoint_root)
+    assert meta["family"] == "llama3" and meta["baseModel"] == str(tiny_llama())
+    assert (meta["rank"], meta["alpha"], meta["dropout"], meta["quantization"], meta["step"]) == (4, 8.0, 0.0, None, 6)
+    assert meta["targetModules"].startswith("layers/")  # `auto` resolved to the family's regex
+    assert sorted(tree) == meta["modulePaths"] and len(tree) == 7
+
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if "loss" in x]
+    assert [x["step"] for x in train_lines] == [1, 2, 3, 4, 5, 6]
+    assert all(set(x) == PROGRESS_KEYS for x in train_lines)
+    assert [x["eval/loss"] > 0 for x in lines if "eval/loss" in x] == [True, True]
+    assert train_lines[-1]["lastCheckpoint"] == str(out / "checkpoints" / "4")  # step 6 is saved after its line
+    assert train_lines[0]["mfu"] is None  # CPU: peak unknown
+    progress = json.loads((out / "progress.json").read_text())
+    assert set(progress) == PROGRESS_KEYS and progress["step"] == 6 and progress["totalSteps"] == 6
+    assert [r["step"] for r in seen] == [1, 2, 3, 4, 5, 6] and seen[-1]["loss"] == progress["loss"]
+    assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
+    assert result.final_loss == pytest.approx(progress["loss"]) and result.eval_loss is not None

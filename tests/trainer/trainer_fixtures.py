@@ -1,0 +1,102 @@
+"""Shared by the trainer tests: one tiny Llama-3 checkpoint per test process, a learnable toy
+dataset, and train configs; plus a runner for the real `lora-trainer` CLI as a subprocess."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lora_trainer.config import TrainConfig
+from lora_trainer.tiny_models import make_tiny_hf_model
+
+REPO = Path(__file__).resolve().parents[2]
+LORA_TRAINER = str(Path(sys.executable).with_name("lora-trainer"))
+
+
+@functools.cache
+def tiny_llama() -> Path:
+    """A 1-layer tiny Llama 3.1 checkpoint (hidden 64, vocab 272) with its tokenizer; built once per process."""
+    root = Path(tempfile.mkdtemp(prefix="lora-test-model-"))
+    atexit.register(shutil.rmtree, root, True)
+    return make_tiny_hf_model("llama3", root / "llama3", seed=0, num_hidden_layers=1)
+
+
+def arithmetic_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """A learnable toy task: the completion follows from the prompt."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"prompt": f"Question: {a} + {b}?", "completion": f" Answer: {a + b}."})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def train_config(tmp: Path, output: str, **training: Any) -> dict[str, Any]:
+    """A small train config (wire form) on the tiny model and the toy task."""
+    data = write_jsonl(tmp / "data" / "train.jsonl", arithmetic_rows(32))
+    return {
+        "model": {"source": str(tiny_llama()), "dtype": "float32"},
+        "dataset": {"train": data, "maxSeqLen": 32},
+        "lora": {"rank": 4, "alpha": 8.0},
+        "training": {
+            "steps": 8,
+            "globalBatchSize": 4,
+            "learningRate": 0.01,
+            "schedule": "cosine",
+            "warmupSteps": 1,
+            "checkpointEvery": 3,
+            "checkpointsToKeep": 5,
+            "logEvery": 1,
+            **training,
+        },
+        "output": {"uri": output},
+    }
+
+
+def parse(cfg: dict[str, Any]) -> TrainConfig:
+    return TrainConfig.model_validate(cfg)
+
+
+def write_config(path: Path, cfg: dict[str, Any]) -> str:
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def trainer_env(**extra: str) -> dict[str, str]:
+    """The test process's environment (emulator settings included) for a trainer subprocess."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    env.pop("JAX_PLATFORMS", None)
+    return env
+
+
+def start_trainer(config_path: str, log_path: Path, **env: str) -> subprocess.Popen[bytes]:
+    """`lora-trainer train --config FILE` as a real process; stdout+stderr to `log_path`."""
+    log = log_path.open("wb")
+    return subprocess.Popen([LORA_TRAINER, "train", "--config", config_path], stdout=log, stderr=subprocess.STDOUT, env=trainer_env(**env), cwd=REPO)
+
+
+def progress_lines(log_path: Path) -> list[dict[str, Any]]:
+    """The JSON progress lines a trainer printed."""
+    out = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out

@@ -1,0 +1,488 @@
+"""`lora-trainer train`: load the base, apply LoRA, train with Tunix's PeftTrainer, checkpoint, resume.
+
+How the pieces fit, and why:
+  - Tunix `PeftTrainer` runs every optimizer step (its jitted train step differentiates only
+    the `nnx.LoRAParam`s; gradient accumulation is its `optax.MultiSteps`). Its own
+    checkpointing is switched off (`checkpoint_root_directory=None`): its layout
+    (`model_params`/`optimizer_state`, batches skipped by counting) is not the format other
+    components read (docs/dev/contracts.md), and it cannot store the data position or the
+    adapter metadata. So this module drives Orbax around the trainer, one step at a time:
+    `trainer.train([micro-batches of one step])` returns at a step boundary, where the loop
+    checkpoints, logs, evaluates, or stops on SIGTERM.
+  - Resume is exact: the LoRA params, the full optimizer state (step count included, so the
+    schedule continues) and the data position come from the latest committed checkpoint,
+    so a killed-and-restarted run computes the same adapter as an uninterrupted one.
+  - A checkpoint of a run with other LoRA settings in the same output is refused, naming what
+    changed, instead of being silently mixed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import signal
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tunix.sft import peft_trainer
+
+from lora_trainer import checkpoint, data, distributed, schedule, storage
+from lora_trainer import metrics as mfu_metrics
+from lora_trainer.config import TrainConfig, TrainingSpec
+from lora_trainer.errors import RetriableError, UserError
+from lora_trainer.lora import apply_lora, lora_state, resolve_target_regex, set_lora_state
+from lora_trainer.models import load_model
+from lora_trainer.progress import ProgressCallback, ProgressSink, progress_record
+
+log = logging.getLogger(__name__)
+
+#: Metadata keys whose change makes an existing checkpoint unusable, with the config field users change.
+_COMPATIBILITY = (
+    ("baseModel", "model.source"),
+    ("family", "model.family"),
+    ("rank", "lora.rank"),
+    ("alpha", "lora.alpha"),
+    ("targetModules", "lora.targetModules"),
+    ("quantization", "lora.quantization"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What a finished run produced."""
+
+    final_step: int
+    checkpoint_root: str
+    metrics_path: str
+    final_loss: float | None = None
+    eval_loss: float | None = None
+
+
+# --------------------------------------------------------------------------- loss and inputs
+
+
+def model_inputs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Batch -> loss-fn kwargs: a causal mask that never crosses packed examples or padding (segment 0)."""
+    seg = batch["segment_ids"]
+    length = seg.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+    return {
+        "input_tokens": batch["input_tokens"],
+        "input_mask": batch["input_mask"],
+        "segment_ids": seg,
+        "positions": batch["positions"],
+        "attention_mask": causal[None] & same,
+    }
+
+
+def lm_loss(
+    model: nnx.Module,
+    input_tokens: jax.Array,
+    input_mask: jax.Array,
+    segment_ids: jax.Array,
+    positions: jax.Array,
+    attention_mask: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean next-token cross-entropy over loss-masked targets (float32), plus token counts for progress.
+
+    A target counts only if it is in the loss mask and in the same packed example as the
+    token predicting it.
+    """
+    logits, _ = model(input_tokens, positions, None, attention_mask)
+    logits = logits[:, :-1].astype(jnp.float32)
+    targets = input_tokens[:, 1:]
+    weight = (input_mask[:, 1:] > 0) & (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+    weight = weight.astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    n = weight.sum()
+    loss = (nll * weight).sum() / jnp.maximum(n, 1.0)
+    return loss, {"loss": loss, "target_tokens": n, "tokens": (segment_ids > 0).sum()}
+
+
+class LoraPeftTrainer(peft_trainer.PeftTrainer):
+    """Tunix's PeftTrainer, keeping each micro-step's loss and token counts (the loss fn's aux)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.train_aux: list[dict[str, jax.Array]] = []
+        self.eval_aux: list[dict[str, jax.Array]] = []
+        self.is_managed_externally = True  # this module owns the step count, checkpoints and stopping
+
+    def _post_process_train_step(self, aux: Any) -> None:
+        self.train_aux.append(aux)
+
+    def _post_process_eval_step(self, aux: Any) -> None:
+        self.eval_aux.append(aux)
+
+
+def make_trainer(model: nnx.Module, t: TrainingSpec) -> LoraPeftTrainer:
+    """Tunix's PeftTrainer for `model` (which must hold LoRAParams) with AdamW + schedule, our loss and inputs.
+
+    Batches are sharded over the mesh's (data, fsdp) axes together; Tunix's own checkpointing is off.
+    """
+    if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
+        raise UserError("the model has no LoRA parameters; refusing to train (the trainer would update every base weight)")
+    trainer = LoraPeftTrainer(
+        model,
+        schedule.optimizer(t),
+        peft_trainer.TrainingConfig(
+            eval_every_n_steps=t.eval_every or t.steps,
+            max_steps=None,
+            gradient_accumulation_steps=t.gradient_accumulation if t.gradient_accumulation > 1 else None,
+            checkpoint_root_directory=None,
+            data_sharding_axis=(("data", "fsdp"),),
+            pbar_description=None,
+        ),
+    )
+    trainer.with_loss_fn(lm_loss, has_aux=True).with_gen_model_input_fn(model_inputs)
+    return trainer
+
+
+def _weighted_loss(aux: list[dict[str, jax.Array]]) -> tuple[float, int, int]:
+    """(token-weighted mean loss, loss tokens, tokens) over micro-steps; blocks on the device."""
+    host = jax.device_get(aux)
+    n = sum(float(a["target_tokens"]) for a in host)
+    loss = sum(float(a["loss"]) * float(a["target_tokens"]) for a in host) / max(n, 1.0)
+    return loss, int(n), sum(int(a["tokens"]) for a in host)
+
+
+# --------------------------------------------------------------------------- state <-> checkpoint
+
+
+def _flat(state: nnx.State) -> dict[str, jax.Array]:
+    """A flat `{"a/b/0/c": array}` view of an NNX state: string keys only, so Orbax stores any optimizer."""
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+            value = jax.random.key_data(value)
+        out["/".join(map(str, path))] = value
+    return out
+
+
+def _load_flat(module: nnx.Module, which: Any, flat: dict[str, Any]) -> None:
+    """Write a `_flat` dict back into `module`'s variables selected by `which` (same paths required)."""
+    state = nnx.state(module, which)
+    for path, var in nnx.to_flat_state(state):
+        key = "/".join(map(str, path))
+        old = var.get_value()
+        new = flat[key]
+        if jnp.issubdtype(old.dtype, jax.dtypes.prng_key):
+            new = jax.random.wrap_key_data(new, impl=jax.random.key_impl(old))
+        var.set_value(new)
+    nnx.update(module, state)
+
+
+def _train_state(trainer: LoraPeftTrainer) -> dict[str, Any]:
+    """The `optimizer` item: optax state (with its step count) and the model's RNG state (dropout)."""
+    return {
+        "opt": _flat(nnx.state(trainer.optimizer)),
+        "rng": _flat(nnx.state(trainer.model, nnx.RngState)),
+    }
+
+
+def _restore_train_state(trainer: LoraPeftTrainer, saved: dict[str, Any]) -> None:
+    _load_flat(trainer.optimizer, ..., saved["opt"])
+    _load_flat(trainer.model, nnx.RngState, saved["rng"])
+
+
+def incompatibilities(saved: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """What differs between a checkpoint's metadata and this config, as `field: checkpoint X, config Y`. Pure."""
+    return [
+        f"{field} (checkpoint: {saved.get(key)!r}, config: {expected[key]!r})"
+        for key, field in _COMPATIBILITY
+        if saved.get(key) != expected[key]
+    ]
+
+
+# --------------------------------------------------------------------------- signals
+
+
+class _StopRequest:
+    """Set by SIGTERM (preemption, pod deletion); checked at step boundaries by every process."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._previous: Any = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_StopRequest]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signal handlers can only be set from the main thread (e.g. a test harness thread)
+            return
+        self._previous = signal.signal(signal.SIGTERM, lambda *_: self._event.set())
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def requested(self) -> bool:
+        """True on every process if any process got SIGTERM (so all stop at the same step)."""
+        flag = self._event.is_set()
+        if jax.process_count() == 1:
+            return flag
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _configure_logging() -> None:
+    """Trainer logs to stderr (stdout carries only the JSON progress lines)."""
+    logger = logging.getLogger("lora_trainer")
+    if not any(getattr(h, "_lora_trainer", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler._lora_trainer = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # libraries (absl, Tunix) may configure the root logger; print once
+
+
+def _restore_adapter(uri: str, base_source: str, family: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An existing adapter to start from: HF PEFT (has adapter_config.json) via the converter, else Orbax."""
+    if storage.exists(storage.join(uri, "adapter_config.json")):
+        from lora_trainer.adapters.convert import convert
+
+        with tempfile.TemporaryDirectory(prefix="lora-restore-") as tmp:
+            out = f"{tmp}/orbax"
+            convert("hf-peft", "orbax", uri, out, base=base_source, family=family)
+            return checkpoint.read_lora(out)
+    return checkpoint.read_lora(uri)
+
+
+def _seq_len(seqs: list[data.Sequence], max_seq_len: int) -> int:
+    """Pad every batch to one length (one compilation): the longest sequence, rounded up to 8, capped."""
+    longest = max(len(s.tokens) for s in seqs)
+    return min(max_seq_len, -(-longest // 8) * 8)
+
+
+def _flops_per_token(model: nnx.Module, hf_config: dict[str, Any], seq_len: int) -> float:
+    base = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
+    lora = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    hidden, vocab = int(hf_config["hidden_size"]), int(hf_config["vocab_size"])
+    embedding_lookup = 0 if hf_config.get("tie_word_embeddings") else hidden * vocab
+    heads = int(hf_config["num_attention_heads"])
+    head_dim = int(hf_config.get("head_dim") or hidden // heads)
+    return mfu_metrics.lora_train_flops_per_token(
+        matmul_params=base - embedding_lookup,
+        lora_params=lora,
+        num_layers=int(hf_config["num_hidden_layers"]),
+        attn_width=heads * head_dim,
+        seq_len=seq_len,
+    )
+
+
+def run_training(cfg: TrainConfig, *, on_progress: ProgressCallback | None = None) -> TrainResult:
+    """Train (or resume) the LoRA adapter `cfg` describes; returns when `training.steps` are done.
+
+    Raises UserError for bad input and RetriableError after a SIGTERM (checkpoint committed)
+    or a storage outage; the CLI maps them to exit codes 3 and 42.
+    """
+    _configure_logging()
+    distributed.initialize()
+    mesh = distributed.make_mesh(cfg.training.mesh)
+    with _StopRequest().installed() as stop, warnings.catch_warnings():
+        # Tunix 0.1.7 finds the mesh through the legacy `with mesh:` context (pxla.thread_resources).
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*mesh.*")
+        with mesh:
+            return _Run(cfg, mesh, stop, on_progress).run()
+
+
+class _Run:
+    """One training run's state; `run()` reads top to bottom as the steps of a run."""
+
+    def __init__(self, cfg: TrainConfig, mesh: jax.sharding.Mesh, stop: _StopRequest, on_progress: ProgressCallback | None):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.stop = stop
+        self.on_progress = on_progress
+        self.root = checkpoint.checkpoint_root(cfg.output.uri)
+        self.primary = jax.process_index() == 0
+
+    def run(self) -> TrainResult:
+        cfg, t = self.cfg, self.cfg.training
+        loaded = load_model(cfg.model.source, family=cfg.model.family, dtype=cfg.model.dtype, mesh=self.mesh)
+        self.metadata = {
+            "family": loaded.family.name,
+            "baseModel": cfg.model.source,
+            "rank": cfg.lora.rank,
+            "alpha": cfg.lora.alpha,
+            "dropout": cfg.lora.dropout,
+            "targetModules": resolve_target_regex(cfg.lora.target_modules, loaded.family),
+            "quantization": cfg.lora.quantization.to_wire() if cfg.lora.quantization else None,
+        }
+        resume_step = checkpoint.latest_committed_step(self.root)
+        if resume_step is not None:
+            self._check_compatible(resume_step)
+
+        micro = t.global_batch_size // t.gradient_accumulation
+        data_ways = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if micro % data_ways:
+            raise UserError(
+                f"each micro-batch has {micro} rows (training.globalBatchSize / gradientAccumulation) but the mesh "
+                f"splits batches {data_ways} ways (data x fsdp); make the micro-batch a multiple of {data_ways}"
+            )
+        tokenizer = data.load_tokenizer(loaded.local_dir)
+        pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+        train_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.train, cfg.dataset, tokenizer), cfg.dataset)
+        seq_len = _seq_len(train_seqs, cfg.dataset.max_seq_len)
+        stream = data.BatchStream(
+            train_seqs,
+            global_batch=micro,
+            seq_len=seq_len,
+            seed=t.seed,
+            pad_id=pad_id,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        eval_ds = None
+        if cfg.dataset.eval is not None:
+            eval_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.eval, cfg.dataset, tokenizer), cfg.dataset)
+            eval_ds = data.eval_batches(
+                eval_seqs,
+                global_batch=micro,
+                seq_len=seq_len,
+                pad_id=pad_id,
+                process_index=jax.process_index(),
+                process_count=jax.process_count(),
+            )
+
+        applied = apply_lora(loaded.model, cfg.lora, loaded.family, seed=t.seed, batch_shape=(1, 8))
+        self.metadata["modulePaths"] = applied.module_paths
+        if resume_step is None and cfg.lora.restore_from:
+            tree, meta = _restore_adapter(cfg.lora.restore_from, cfg.model.source, loaded.family.name)
+            if float(meta.get("alpha", cfg.lora.alpha)) != cfg.lora.alpha:
+                raise UserError(
+                    f"lora.restoreFrom {cfg.lora.restore_from} was trained with alpha {meta['alpha']} but lora.alpha is "
+                    f"{cfg.lora.alpha}; set lora.alpha to {meta['alpha']}"
+                )
+            set_lora_state(applied.model, tree)
+            log.info("starting from the adapter in %s", cfg.lora.restore_from)
+
+        trainer = make_trainer(applied.model, t)
+
+        store = checkpoint.TrainingCheckpoints(self.root, keep=t.checkpoints_to_keep)
+        step = 0
+        if resume_step is not None:
+            lora, opt, position, _ = store.restore(
+                resume_step, lora_target=lora_state(trainer.model), optimizer_target=_train_state(trainer)
+            )
+            set_lora_state(trainer.model, lora)
+            _restore_train_state(trainer, opt)
+            stream.restore(position)
+            step = resume_step
+            log.info("resuming from step %d (checkpoint %s)", step, checkpoint.step_uri(self.root, step))
+
+        sink = ProgressSink(cfg.output.uri, primary=self.primary, resume_step=step, on_progress=self.on_progress)
+        try:
+            return self._loop(trainer, stream, eval_ds, store, sink, step, loaded.hf_config, seq_len)
+        finally:
+            sink.close()
+            store.close()
+
+    def _check_compatible(self, step: int) -> None:
+        saved = checkpoint.read_metadata(self.root, step)
+        changed = incompatibilities(saved, self.metadata)
+        if changed:
+            raise UserError(
+                f"output.uri {self.cfg.output.uri} already holds a checkpoint (step {step}) of a run with other LoRA "
+                f"settings, so it cannot be resumed: changed {'; '.join(changed)}. Restore those settings to resume, "
+                "or use a new output.uri to start over"
+            )
+
+    def _loop(
+        self,
+        trainer: LoraPeftTrainer,
+        stream: data.BatchStream,
+        eval_ds: list[dict[str, np.ndarray]] | None,
+        store: checkpoint.TrainingCheckpoints,
+        sink: ProgressSink,
+        step: int,
+        hf_config: dict[str, Any],
+        seq_len: int,
+    ) -> TrainResult:
+        t = self.cfg.training
+        lr = schedule.learning_rate_schedule(t)
+        flops_per_token = _flops_per_token(trainer.model, hf_config, seq_len)
+        kinds = [d.device_kind for d in jax.devices()]
+        saved_step = step
+        last_checkpoint = checkpoint.step_uri(self.root, step) if step else None
+        loss = eval_loss = None
+        interval_start, interval_steps = time.perf_counter(), 0
+
+        def save(at: int) -> None:
+            nonlocal saved_step, last_checkpoint
+            store.save(at, lora=lora_state(trainer.model), optimizer=_train_state(trainer), data=stream.state(), metadata=self.metadata)
+            store.wait()
+            saved_step, last_checkpoint = at, checkpoint.step_uri(self.root, at)
+            sink.flush()
+
+        if step >= t.steps:
+            log.info("training already finished at step %d (training.steps=%d)", step, t.steps)
+        while step < t.steps:
+            if self.stop.requested():
+                if saved_step != step:
+                    save(step)
+                raise RetriableError(
+                    f"received SIGTERM: saved checkpoint step {step} to {self.root}; exiting so the JobSet restarts "
+                    "and the run resumes from there"
+                )
+            trainer.train([next(stream) for _ in range(t.gradient_accumulation)])
+            step += 1
+            interval_steps += 1
+            if step % t.log_every == 0 or step == t.steps:
+                loss, _, tokens = _weighted_loss(trainer.train_aux)
+                trainer.train_aux.clear()
+                elapsed = time.perf_counter() - interval_start
+                tps = tokens / elapsed
+                record = progress_record(
+                    step=step,
+                    total_steps=t.steps,
+                    loss=loss,
+                    learning_rate=float(lr(step - 1)),
+                    tokens_per_second=tps,
+                    step_time_seconds=elapsed / interval_steps,
+                    mfu=mfu_metrics.mfu(tps, flops_per_token, kinds),
+                    last_checkpoint=last_checkpoint,
+                )
+                sink.emit(record)
+                interval_start, interval_steps = time.perf_counter(), 0
+            if eval_ds and t.eval_every and step % t.eval_every == 0:
+                eval_loss = self._evaluate(trainer, eval_ds)
+                sink.scalar("eval/loss", eval_loss, step)
+                log.info("step %d: eval loss %.4f", step, eval_loss)
+            if step % t.checkpoint_every == 0 or step == t.steps:
+                save(step)
+        if saved_step != step:
+            save(step)
+        return TrainResult(
+            final_step=step,
+            checkpoint_root=self.root,
+            metrics_path=storage.join(self.cfg.output.uri, "metrics.jsonl"),
+            final_loss=loss,
+            eval_loss=eval_loss,
+        )
+
+    @staticmethod
+    def _evaluate(trainer: LoraPeftTrainer, eval_ds: list[dict[str, np.ndarray]]) -> float:
+        """One pass over the eval set with Tunix's eval step; token-weighted mean loss."""
+        trainer.eval_aux.clear()
+        trainer.train([], eval_ds=eval_ds)
+        loss, _, _ = _weighted_loss(trainer.eval_aux)
+        trainer.eval_aux.clear()
+        return loss
