@@ -2,8 +2,8 @@
 
 Why in HF space and not in JAX: the merged model is for `transformers` and vLLM, which
 read HF safetensors; adding the PEFT-layout delta to each HF weight is exactly what
-`peft`'s `merge_and_unload` does, needs no model code, and streams one shard at a time,
-so an 8B base merges in a few GB of host memory. The update is computed in float32 and
+`peft`'s `merge_and_unload` does, needs no model code, and reads the base through memory
+maps and writes one output shard at a time, so an 8B base merges in a few GB of host memory. The update is computed in float32 and
 cast back to each weight's stored dtype.
 """
 
@@ -11,60 +11,33 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from lora_trainer.adapters.peft_format import PeftLoraAdapter
 from lora_trainer.errors import UserError
+from lora_trainer.models.safetensors_io import INDEX_FILE, SafetensorsCheckpoint
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 #: Shard size of the merged output (transformers' own default is 5 GB; smaller shards upload in parallel).
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 #: Files of the base checkpoint that are weights (never copied as-is into the merged output).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 
 
-def base_shards(base_dir: Path) -> list[Path]:
-    """The base checkpoint's safetensors files, in index order; a missing one is a UserError naming it."""
-    index = base_dir / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise UserError(f"{index} is not a safetensors index (no weight_map): {e}") from e
-        files = list(dict.fromkeys(weight_map.values()))
-    elif (base_dir / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        raise UserError(f"{base_dir} holds neither {SINGLE_FILE} nor {INDEX_FILE}: the base must be an HF safetensors checkpoint")
-    paths = [base_dir / f for f in files]
-    for p in paths:
-        if not p.is_file():
-            raise UserError(f"{p} is listed in {INDEX_FILE} but does not exist: copy the whole base checkpoint")
-    return paths
-
-
-def _read_shard(path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    try:
-        with safe_open(str(path), framework="np") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield key, f.get_tensor(key)
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{path} is not a readable safetensors file ({e}); it may be truncated: copy it again") from e
-
-
-def merged_weight(key: str, weight: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
-    """`weight + scale * b @ a` in float32, cast back to the weight's dtype; shapes must fit."""
-    if weight.shape != (b.shape[0], a.shape[1]):
+def check_fits(key: str, weight_shape: tuple[int, ...], a: np.ndarray, b: np.ndarray) -> None:
+    """The update `b @ a` must have the base weight's [out, in] shape."""
+    if tuple(weight_shape) != (b.shape[0], a.shape[1]):
         raise UserError(
-            f"base weight {key!r} has shape {list(weight.shape)} but the adapter's update is "
+            f"base weight {key!r} has shape {list(weight_shape)} but the adapter's update is "
             f"[{b.shape[0]}, {a.shape[1]}]: the adapter was made for a different base model"
         )
+
+
+def merged_weight(weight: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """`weight + scale * b @ a` in float32, cast back to the weight's dtype."""
     delta = (b.astype(np.float32) @ a.astype(np.float32)) * np.float32(scale)
     return (weight.astype(np.float32) + delta).astype(weight.dtype)
 
@@ -120,20 +93,22 @@ def merge_adapter_into_checkpoint(
     name a weight of the base (`<module>.weight`), else a UserError names it.
     """
     pending: Mapping[str, tuple[np.ndarray, np.ndarray]] = {f"{m}.weight": ab for m, ab in adapter.modules.items()}
-    unmerged = set(pending)
-    writer = _ShardWriter(out_dir, max_shard_bytes)
-    for shard in base_shards(base_dir):
-        for key, weight in _read_shard(shard):
-            if key in pending:
-                a, b = pending[key]
-                weight = merged_weight(key, weight, a, b, adapter.hyper.scale)
-                unmerged.discard(key)
-            writer.add(key, weight)
+    base = SafetensorsCheckpoint(base_dir)
+    unmerged = sorted(set(pending) - set(base.keys()))
     if unmerged:
         raise UserError(
-            f"the base model in {base_dir} has no weight {sorted(unmerged)[0]!r} that the adapter targets "
+            f"the base model in {base_dir} has no weight {unmerged[0]!r} that the adapter targets "
             f"({len(unmerged)} missing): the adapter was made for a different base model"
         )
+    for key, (a, b) in pending.items():
+        check_fits(key, base.shape(key), a, b)
+    writer = _ShardWriter(out_dir, max_shard_bytes)
+    for key in base.keys():
+        weight = base.get(key)
+        if key in pending:
+            a, b = pending[key]
+            weight = merged_weight(weight, a, b, adapter.hyper.scale)
+        writer.add(key, weight)
     writer.finish()
     for p in sorted(base_dir.iterdir()):
         if p.is_file() and p.name != INDEX_FILE and not p.name.endswith(_WEIGHT_SUFFIXES):

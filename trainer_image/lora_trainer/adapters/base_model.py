@@ -1,0 +1,53 @@
+"""What the adapter code needs to know about a base model without loading its weights.
+
+Converting an adapter only needs the base's config.json: the family (detected, or checked
+against an explicit one) and the NNX weight shape of every LoRA-targetable module, taken
+from the family's model built abstractly (`nnx.eval_shape`: no memory, no random init).
+That is also why conversion of an 8B adapter needs no 16 GB download of the base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lora_trainer import storage
+from lora_trainer.errors import UserError
+from lora_trainer.lora import targetable_modules
+from lora_trainer.models import FamilySpec, detect_family, get_family
+from lora_trainer.models.loading import build_abstract, read_hf_config
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseShapes:
+    """A base model's family, config.json and `{module_path: NNX weight shape}` of its LoRA targets."""
+
+    family: FamilySpec
+    hf_config: dict[str, Any]
+    weight_shapes: dict[str, tuple[int, ...]]
+
+
+def resolve_family(hf_config: dict[str, Any], family: str | None, where: str) -> FamilySpec:
+    """The family of config.json; an explicit `family` must agree with it."""
+    detected = detect_family(hf_config)
+    if family is not None and family != detected:
+        raise UserError(
+            f"--family is {family!r} but {where} describes a {detected} model "
+            f"(model_type {hf_config.get('model_type')!r}): drop --family or use the right base model"
+        )
+    return get_family(detected)
+
+
+def base_shapes(base_uri: str, family: str | None = None) -> BaseShapes:
+    """Family and LoRA-target weight shapes of the base model at `base_uri` (reads only config.json)."""
+    config_uri = storage.join(base_uri, "config.json")
+    if not storage.exists(config_uri):
+        raise UserError(f"{config_uri} does not exist: --base must be the HF checkpoint directory the adapter belongs to")
+    with tempfile.TemporaryDirectory(prefix="lora-base-config-") as tmp:
+        (Path(tmp) / "config.json").write_bytes(storage.read_bytes(config_uri))
+        hf_config = read_hf_config(Path(tmp))
+    spec = resolve_family(hf_config, family, config_uri)
+    shapes = targetable_modules(build_abstract(spec, hf_config, "float32"), spec)
+    return BaseShapes(family=spec, hf_config=hf_config, weight_shapes=shapes)
