@@ -105,12 +105,12 @@ def apply_lora(
     try:
         compiled = re.compile(regex)
     except re.error as e:
-        raise UserError(f"lora.targetModules {regex!r} is not a valid regex ({e})") from e
+        raise UserError(f"lora.targetModules '{regex}' is not a valid regex ({e})") from e
     available = targetable_modules(model, family)
     matched = {p: s for p, s in available.items() if compiled.fullmatch(p)}
     if not matched:
         raise UserError(
-            f"lora.targetModules {regex!r} matches no LoRA-targetable module of this {family.name} model "
+            f"lora.targetModules '{regex}' matches no LoRA-targetable module of this {family.name} model "
             f"(full match against module paths); the model's paths are: {_summarise(list(available))}"
         )
     quant = lora_spec.quantization
@@ -136,19 +136,19 @@ def apply_lora(
     unused = provider.get_unused_rules()
     if unused:
         raise UserError(
-            f"lora.targetModules {regex!r} stayed unused (no weight of a matching module went through LoRA); "
+            f"lora.targetModules '{regex}' stayed unused (no weight of a matching module went through LoRA); "
             f"the model's module paths are: {_summarise(list(available))}"
         )
     created = sorted(lora_state(lora_model))
     if not created:
         raise UserError(
-            f"lora.targetModules {regex!r} created no LoRA parameters; refusing to train, since the trainer would "
+            f"lora.targetModules '{regex}' created no LoRA parameters; refusing to train, since the trainer would "
             f"otherwise fine-tune the whole model. Module paths: {_summarise(list(available))}"
         )
     stray = sorted(set(created) - set(available))
     if stray:
         raise UserError(
-            f"lora.targetModules {regex!r} also matches modules that are not attention/MLP projections "
+            f"lora.targetModules '{regex}' also matches modules that are not attention/MLP projections "
             f"({', '.join(stray)}); adapters for them cannot be exported to HF PEFT. Narrow the regex."
         )
     return LoraApplied(model=lora_model, target_regex=regex, module_paths=created)
