@@ -14,12 +14,16 @@ non-zero exit code from `lora_trainer.exit_codes`.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import logging
+import os
 import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -167,24 +171,62 @@ class ProgressView:
     def __init__(self, out: TextIO, *, live: bool) -> None:
         self.out = out
         self.live = live
-        self.drawn = False
+        self.line = ""
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self.live:
             width = shutil.get_terminal_size((100, 20)).columns
-            line = progress_line(record, bar_width=max(10, min(30, width - 70)))[: width - 1]
-            self.out.write("\r" + line.ljust(width - 1))
-            self.drawn = True
+            self.line = progress_line(record, bar_width=max(10, min(30, width - 70)))[: width - 1].ljust(width - 1)
+            self.out.write("\r" + self.line)
         else:
             self.out.write(progress_line(record) + "\n")
         self.out.flush()
 
+    def clear(self) -> None:
+        """Blank the bar's line (before a log line is printed on the same terminal)."""
+        if self.line:
+            self.out.write("\r" + " " * len(self.line) + "\r")
+            self.out.flush()
+
+    def redraw(self) -> None:
+        if self.line:
+            self.out.write("\r" + self.line)
+            self.out.flush()
+
     def close(self) -> None:
         """End the in-place line so what follows starts on a fresh one."""
-        if self.drawn:
+        if self.line:
             self.out.write("\n")
             self.out.flush()
-            self.drawn = False
+            self.line = ""
+
+
+class _AboveTheBar(io.TextIOBase):
+    """A stderr that prints log lines above the live bar instead of through it."""
+
+    def __init__(self, view: ProgressView, stream: TextIO) -> None:
+        self.view = view
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.view.clear()
+        n = self.stream.write(text)
+        self.stream.flush()
+        if text.endswith("\n"):
+            self.view.redraw()
+        return n
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+@contextlib.contextmanager
+def _trainer_output(view: ProgressView) -> Iterator[None]:
+    """While training: the trainer's JSON progress lines on stdout are replaced by the view
+    (they reach it through `on_progress`), and its stderr logs print above a live bar."""
+    stderr = _AboveTheBar(view, sys.stderr) if view.live else sys.stderr
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(stderr):
+        yield
 
 
 def _json_path(obj: dict[str, Any], path: str) -> Any:
@@ -249,7 +291,7 @@ def loss_plot_png(records: list[dict[str, Any]], title: str) -> bytes:
     fig = Figure(figsize=(7, 4), dpi=100)
     ax = fig.subplots()
     ax.plot(*train, label="train loss", color="tab:blue")
-    evaluation = _series(records, "evalLoss", "eval_loss")
+    evaluation = _series(records, "eval/loss", "evalLoss")
     if evaluation[0]:
         ax.plot(*evaluation, "o-", label="eval loss", color="tab:orange")
     ax.set_xlabel("step")
@@ -264,6 +306,19 @@ def loss_plot_png(records: list[dict[str, Any]], title: str) -> bytes:
 
 
 # --- the run ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """Orbax warns (through absl) about every checkpoint item an adapter-only read skips; the
+    export reads only the LoRA item on purpose, so those warnings say nothing to a user."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
 
 
 def _device_summary() -> str:
@@ -299,13 +354,17 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
         last.update(record)
         view(record)
 
-    result = run_training(cfg, on_progress=on_progress)
-    view.close()
+    try:
+        with _trainer_output(view):
+            result = run_training(cfg, on_progress=on_progress)
+    finally:
+        view.close()
 
     uris = output_uris(spec)
     for key, uri in uris.items():
         _say(f"exporting {'the merged model' if key == 'merged' else 'the HF PEFT adapter'} to {uri}")
-        export_checkpoint(str(result.checkpoint_root), uri, merged=key == "merged")
+        with _quiet_orbax():
+            export_checkpoint(str(result.checkpoint_root), uri, merged=key == "merged")
 
     metrics_uri = str(result.metrics_path)
     plot_uri = storage.join(metrics_uri.rsplit("/", 1)[0], "loss.png")

@@ -142,7 +142,7 @@ def test_status_table_has_the_kubectl_get_columns() -> None:
 def test_loss_plot_is_a_png_of_the_metrics(tmp_path: Path) -> None:
     import matplotlib.image
 
-    lines = [json.dumps({"step": s, "loss": 5.0 / s}) for s in range(1, 30)] + ["", "{truncated", json.dumps({"step": 10, "evalLoss": 1.0})]
+    lines = [json.dumps({"step": s, "loss": 5.0 / s}) for s in range(1, 30)] + ["", "{truncated", json.dumps({"step": 10, "eval/loss": 1.0})]
     records = local.read_metrics("\n".join(lines))
     assert len(records) == 30
     png = local.loss_plot_png(records, "t")

@@ -1,0 +1,93 @@
+"""`lora-operator run-local` end to end on a tiny model: train a few steps, export, report.
+
+Runs the real CLI in a subprocess (stdout is a pipe, so progress comes as plain lines), the way
+`make demo` does, on the unit-test sized Llama-3 model and the shipped demo data.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lora_trainer import exit_codes
+from lora_trainer.tiny_models import make_tiny_hf_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+LORA_OPERATOR = Path(sys.executable).with_name("lora-operator")
+
+
+def manifest(tmp_path: Path, model: Path, **training: object) -> Path:
+    doc = {
+        "apiVersion": "lora-operator.dev/v1alpha1",
+        "kind": "LoraFinetune",
+        "metadata": {"name": "tiny-e2e"},
+        "spec": {
+            "model": {"source": str(model), "family": "llama3", "dtype": "float32"},
+            "dataset": {"train": str(EXAMPLES / "data" / "train.jsonl"), "format": "prompt-completion", "maxSeqLen": 64},
+            "lora": {"rank": 4, "alpha": 8},
+            "training": {"steps": 6, "globalBatchSize": 4, "learningRate": 0.003, "checkpointEvery": 3, "logEvery": 1, **training},
+            "output": {"uri": "out", "export": {"hfPeft": True, "merged": True}},
+            "tpu": {"type": "v5p", "topology": "2x2x2"},
+            "queueName": "tpu-v5p",
+        },
+    }
+    path = tmp_path / "lft.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def run_local(path: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(LORA_OPERATOR), "run-local", "-f", str(path)], cwd=cwd, capture_output=True, text=True, timeout=540)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_model("llama3", tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def test_run_local_trains_exports_and_reports(tiny_model: Path, tmp_path: Path) -> None:
+    proc = run_local(manifest(tmp_path, tiny_model), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"  # relative output.uri resolves against the manifest's directory
+
+    # The same post-job export as on a cluster: an HF PEFT adapter and the merged model.
+    config = json.loads((out / "hf-adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    assert (out / "hf-adapter" / "adapter_model.safetensors").stat().st_size > 0
+    assert (out / "merged" / "config.json").exists()
+
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    stdout = proc.stdout.splitlines()
+    assert any("ignoring cluster-only fields tpu, queueName" in line for line in stdout)
+    progress = [line for line in stdout if line.startswith("step ")]
+    assert progress[0].startswith("step 1/6  loss ") and progress[-1].startswith("step 6/6  loss ")
+    assert not [line for line in stdout if line.startswith("{")], "the trainer's JSON lines are replaced by the progress view"
+    header = next(i for i, line in enumerate(stdout) if line.startswith("NAME "))
+    assert stdout[header].split() == ["NAME", "PHASE", "TPU", "STEP", "LOSS", "RESTARTS", "AGE"]
+    row = stdout[header + 1].split()
+    assert row[:2] == ["tiny-e2e", "Succeeded"] and "6/6" in row
+    assert f"adapter:      {out / 'hf-adapter'}" in stdout
+    assert f"loss curve:   {out / 'loss.png'}" in stdout
+
+
+def test_run_local_trainer_error_is_one_paragraph_and_exit_3(tiny_model: Path, tmp_path: Path) -> None:
+    path = manifest(tmp_path, tiny_model)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["dataset"]["train"] = "data/missing.jsonl"
+    path.write_text(yaml.safe_dump(doc))
+    proc = run_local(path, cwd=tmp_path)
+    assert proc.returncode == exit_codes.USER_ERROR, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lora-operator run-local:")]
+    assert len(errors) == 1 and "missing.jsonl" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "hf-adapter").exists()
