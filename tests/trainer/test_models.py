@@ -50,6 +50,10 @@ VARIANTS = {
     "qwen3-theta5e6-untied": ("qwen3", {"rope_theta": 5_000_000.0, "tie_word_embeddings": False}),
     "qwen2": ("qwen2", {}),
     "gemma3": ("gemma3", {}),
+    # Gemma 3 1B: one KV head (Tunix's non-GQA einsum path).
+    "gemma3-mqa": ("gemma3", {"num_key_value_heads": 1}),
+    # Gemma 3 27B-like: query_pre_attn_scalar = hidden / heads != head_dim; MHA (Tunix fuses Q/K/V).
+    "gemma3-mha-27b-scaling": ("gemma3", {"num_key_value_heads": 4, "head_dim": 32, "query_pre_attn_scalar": 16}),
 }
 
 

@@ -129,8 +129,9 @@ def fill_params(
             )
         array = np.asarray(rule.to_nnx(tensors.get(hf_key), shape)).astype(DTYPES[dtype])
         if mesh is not None:
+            # Each process puts only its addressable shards on its devices (multi-host safe).
             sharding = jax.sharding.NamedSharding(mesh, _partition_spec(var, shape, mesh))
-            loaded[nnx_path] = jax.device_put(array, sharding)
+            loaded[nnx_path] = jax.make_array_from_callback(shape, sharding, lambda index, a=array: a[index])
         else:
             loaded[nnx_path] = jnp.asarray(array)
     missing = sorted(set(variables) - set(loaded))
