@@ -1,0 +1,80 @@
+"""Orbax -> HF, every family: an adapter trained by `run_training` and exported gives, loaded by
+`peft` on the HF base, the logits the JAX model gives with the Orbax checkpoint; the merged
+export loaded by `transformers` alone gives them too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FAMILIES
+from hf_side import TOKENS, hf_logits
+
+from lora_trainer.adapters.export import export_checkpoint
+from lora_trainer.adapters.logits import jax_logits
+from lora_trainer.adapters.merge import INDEX_FILE
+from lora_trainer.adapters.peft_format import CONFIG_NAME
+from lora_trainer.checkpoint import latest_committed_step
+from lora_trainer.config import TrainConfig
+from lora_trainer.train import run_training
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+
+
+def _train(base: Path, tmp: Path) -> str:
+    """Train a rank-4 adapter on every projection for a few steps; returns the checkpoint root."""
+    rows = [{"text": f"the quick brown fox {i} jumps over the lazy dog {i * 7}"} for i in range(8)]
+    (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = TrainConfig.model_validate(
+        {
+            "model": {"source": str(base), "dtype": "float32"},
+            "dataset": {"train": str(tmp / "train.jsonl"), "format": "text", "maxSeqLen": 16},
+            "lora": {"rank": 4, "alpha": 8.0},
+            # A high learning rate so that B moves far from zero in a few steps.
+            "training": {"steps": STEPS, "globalBatchSize": 2, "learningRate": 0.05, "schedule": "constant", "checkpointEvery": STEPS},
+            "output": {"uri": str(tmp / "run")},
+        }
+    )
+    return str(run_training(cfg).checkpoint_root)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def exported(request, tiny_base, tmp_path_factory):
+    """(family, base, checkpoint root, exported adapter dir, merged model dir, JAX logits with the checkpoint)."""
+    family = request.param
+    base = tiny_base(family)
+    tmp = tmp_path_factory.mktemp(f"export-{family}")
+    root = _train(base, tmp)
+    assert latest_committed_step(root) == STEPS
+    export_checkpoint(root, str(tmp / "hf-adapter"))
+    export_checkpoint(root, str(tmp / "merged"), merged=True)
+    return family, base, root, tmp / "hf-adapter", tmp / "merged", jax_logits(str(base), TOKENS, adapter=root)
+
+
+def test_exported_adapter_in_peft_matches_jax(exported):
+    family, base, _root, adapter, _merged, jax_with_adapter = exported
+    expected = hf_logits(base, adapter_dir=adapter)
+    assert np.abs(expected - hf_logits(base)).max() > 1e-2, "training must have moved the adapter away from zero"
+    np.testing.assert_allclose(jax_with_adapter, expected, atol=1e-4, rtol=0, err_msg=family)
+
+
+def test_merged_model_alone_matches(exported):
+    family, base, _root, adapter, merged, jax_with_adapter = exported
+    assert (merged / INDEX_FILE).is_file() and (merged / "tokenizer.json").is_file()
+    got = hf_logits(merged)
+    np.testing.assert_allclose(got, hf_logits(base, adapter_dir=adapter), atol=1e-4, rtol=0, err_msg=family)
+    np.testing.assert_allclose(got, jax_with_adapter, atol=1e-4, rtol=0, err_msg=family)
+
+
+def test_config_comes_from_the_checkpoint(exported):
+    family, base, _root, adapter, _merged, _ = exported
+    cfg = json.loads((adapter / CONFIG_NAME).read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM"
+    assert (cfg["r"], cfg["lora_alpha"], cfg["lora_dropout"]) == (4, 8, 0.0)
+    assert (cfg["bias"], cfg["fan_in_fan_out"], cfg["use_rslora"]) == ("none", False, False)
+    assert cfg["base_model_name_or_path"] == str(base)
+    assert sorted(cfg["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
