@@ -337,3 +337,13 @@ def test_load_onto_a_two_device_mesh(tiny_dirs: dict[str, Path]) -> None:
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_sources_and_tokens_are_checked(tiny_dirs: dict[str, Path]) -> None:
+    with pytest.raises(UserError, match="does not download from a model hub"):
+        load_model("hf://meta-llama/Llama-3.1-8B")
+    loaded = load_model(f"file://{tiny_dirs['qwen2']}")
+    with pytest.raises(UserError, match=r"token ids must be in \[0, 271\]"):
+        forward_logits(loaded.model, np.array([[1, 272]], dtype=np.int32))
+    with pytest.raises(UserError, match="non-empty"):
+        forward_logits(loaded.model, np.array([1, 2], dtype=np.int32))
