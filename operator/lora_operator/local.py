@@ -114,6 +114,16 @@ def resolve_local_paths(spec: LoraFinetuneSpec, base: Path, output: str | None =
 # --- what the terminal shows ---------------------------------------------------------------
 
 
+def display_path(uri: str) -> str:
+    """A local path under the working directory shown relative to it (shorter); anything else as is."""
+    if _SCHEME.match(uri):
+        return uri
+    try:
+        return str(Path(uri).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return uri
+
+
 def human_duration(seconds: float) -> str:
     """A duration as kubectl prints AGE (k8s.io/apimachinery duration.HumanDuration)."""
     s = max(int(seconds), 0)
@@ -347,7 +357,10 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
     from lora_trainer.train import run_training
 
     tpu = _device_summary()
-    _say(f"training {name} on {tpu.removeprefix('local ')}: {cfg.training.steps} steps of {cfg.model.source}, output {cfg.output.uri}")
+    _say(
+        f"training {name} on {tpu.removeprefix('local ')}: {cfg.training.steps} steps of "
+        f"{display_path(cfg.model.source)}, output {display_path(cfg.output.uri)}"
+    )
     last: dict[str, Any] = {}
 
     def on_progress(record: dict[str, Any]) -> None:
@@ -362,7 +375,7 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
 
     uris = output_uris(spec)
     for key, uri in uris.items():
-        _say(f"exporting {'the merged model' if key == 'merged' else 'the HF PEFT adapter'} to {uri}")
+        _say(f"exporting {'the merged model' if key == 'merged' else 'the HF PEFT adapter'} to {display_path(uri)}")
         with _quiet_orbax():
             export_checkpoint(str(result.checkpoint_root), uri, merged=key == "merged")
 
@@ -377,7 +390,7 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
     obj = {"metadata": {"name": name, "creationTimestamp": created.isoformat()}, "spec": spec.to_wire(), "status": status}
     paths = {"adapter": uris.get("adapter"), "merged model": uris.get("merged"), "checkpoints": str(result.checkpoint_root),
              "metrics": metrics_uri, "loss curve": plot_uri}
-    return obj, "\n".join(f"{label + ':':<14}{value}" for label, value in paths.items() if value)
+    return obj, "\n".join(f"{label + ':':<14}{display_path(value)}" for label, value in paths.items() if value)
 
 
 def run_local(path: Path, *, output: str | None, progress_bar: bool) -> int:

@@ -152,3 +152,10 @@ def test_loss_plot_is_a_png_of_the_metrics(tmp_path: Path) -> None:
     assert image.shape[:2] == (400, 700)
     with pytest.raises(local.UserError, match="nothing to plot"):
         local.loss_plot_png([{"step": 1}], "t")
+
+
+def test_paths_under_the_working_directory_are_shown_relative(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert local.display_path(str(tmp_path / "out" / "hf-adapter")) == "out/hf-adapter"
+    assert local.display_path("/elsewhere/x") == "/elsewhere/x"
+    assert local.display_path("gs://bkt/run") == "gs://bkt/run"
