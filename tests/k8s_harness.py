@@ -19,6 +19,7 @@ the scenarios that only make sense there can run; everything here needs only the
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import datetime
 import itertools
 import threading
@@ -27,7 +28,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,7 @@ _RUN_USAGE: set[tuple[str, str]] = set()
 
 
 _RESOURCE_VERSIONS = itertools.count(1)
+_SERVING: contextvars.ContextVar[kmock.Request | None] = contextvars.ContextVar("serving", default=None)
 
 
 class ApiServerEmulator(kmock.KubernetesEmulator):
@@ -83,7 +85,17 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     `test` for optimistic concurrency, answered 422 when stale), `generateName`, and `uid`,
     `generation` and `creationTimestamp` on creation."""
 
+    def __iter__(self) -> Iterator[kmock.Request]:
+        # KMock matches a request to its reactions by scanning the whole request history for it
+        # (quadratic over a run); while a request is being served, its own history is just itself.
+        current = _SERVING.get()
+        if current is not None:
+            yield current
+            return
+        yield from super().__iter__()
+
     async def _handle(self, request: kmock.Request) -> Any:
+        _SERVING.set(request)
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             version = str(next(_RESOURCE_VERSIONS))
             if isinstance(request.data, list):  # JSON patch
@@ -132,8 +144,8 @@ def _rbac_verb(req: kmock.Request) -> str | None:
 class Harness:
     """Emulated API server + in-process operator. Use as `async with Harness() as h:`."""
 
-    def __init__(self) -> None:
-        self.emulator = ApiServerEmulator(strict=False)
+    def __init__(self, emulator: ApiServerEmulator | None = None) -> None:
+        self.emulator = emulator if emulator is not None else ApiServerEmulator(strict=False)
         self.server: kmock.Server | None = None
         self.http: aiohttp.ClientSession | None = None
         self.url = ""

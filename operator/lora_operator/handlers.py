@@ -189,8 +189,8 @@ def _write_status(kube: Kube, cr: dict[str, Any], obs: st.Observation, **fields:
 
 def jobset_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
     """An owned JobSet changed: map its status onto the LoraFinetune; on completion start the export."""
-    if type == "DELETED":
-        return
+    if type == "DELETED" or not body.get("status"):
+        return  # a JobSet without status yet: reconcile already reported Pending/Suspended
     kube: Kube = memo.kube
     cr = _owner_cr(kube, dict(body), "LoraFinetune", LFT_LABEL)
     if cr is None or (cr.get("status") or {}).get("phase") in (*st.TERMINAL, "Exporting"):
