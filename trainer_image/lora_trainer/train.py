@@ -329,6 +329,9 @@ class _Run:
         resume_step = checkpoint.latest_committed_step(self.root)
         if resume_step is not None:
             self._check_compatible(resume_step)
+            if resume_step >= t.steps:
+                log.info("training already finished at step %d (training.steps=%d); nothing to do", resume_step, t.steps)
+                return self._result(resume_step)
 
         micro = t.global_batch_size // t.gradient_accumulation
         data_ways = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
@@ -432,8 +435,6 @@ class _Run:
             saved_step, last_checkpoint = at, checkpoint.step_uri(self.root, at)
             sink.flush()
 
-        if step >= t.steps:
-            log.info("training already finished at step %d (training.steps=%d)", step, t.steps)
         while step < t.steps:
             if self.stop.requested():
                 if saved_step != step:
@@ -470,11 +471,14 @@ class _Run:
                 save(step)
         if saved_step != step:
             save(step)
+        return self._result(step, final_loss=loss, eval_loss=eval_loss)
+
+    def _result(self, step: int, *, final_loss: float | None = None, eval_loss: float | None = None) -> TrainResult:
         return TrainResult(
             final_step=step,
             checkpoint_root=self.root,
             metrics_path=storage.join(self.cfg.output.uri, "metrics.jsonl"),
-            final_loss=loss,
+            final_loss=final_loss,
             eval_loss=eval_loss,
         )
 
