@@ -9,8 +9,6 @@ the A/B shapes and the PEFT flatten order for each family.
 from __future__ import annotations
 
 import re
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -207,8 +205,8 @@ def test_set_lora_state_is_strict_and_all_or_nothing(loaded: dict[str, LoadedMod
     assert all(np.array_equal(after[p][n], good[p][n]) for p in good for n in good[p])
 
 
-def test_lora_params_stay_float32_on_a_bfloat16_base(tmp_path: Path) -> None:
-    base = load_model(str(make_tiny_hf_model("qwen3", tmp_path / "m", seed=0)), dtype="bfloat16")
+def test_lora_params_stay_float32_on_a_bfloat16_base(loaded: dict[str, LoadedModel]) -> None:
+    base = load_model(str(loaded["qwen3"].local_dir), dtype="bfloat16")
     model = apply_lora(base.model, LoraSpec(rank=2, alpha=4, target_modules=r"layers/0/attn/q_proj"), base.family,
                        seed=0).model  # fmt: skip
     assert {v.dtype for p in lora_state(model).values() for v in p.values()} == {jnp.dtype(jnp.float32)}

@@ -329,6 +329,7 @@ _MESH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_load_onto_a_two_device_mesh(tiny_dirs: dict[str, Path]) -> None:
     """Weights land as NamedShardings over the mesh (own process: the CPU device count is fixed at start)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
