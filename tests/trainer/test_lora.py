@@ -210,3 +210,14 @@ def test_lora_params_stay_float32_on_a_bfloat16_base(loaded: dict[str, LoadedMod
     model = apply_lora(base.model, LoraSpec(rank=2, alpha=4, target_modules=r"layers/0/attn/q_proj"), base.family,
                        seed=0).model  # fmt: skip
     assert {v.dtype for p in lora_state(model).values() for v in p.values()} == {jnp.dtype(jnp.float32)}
+
+
+def test_lora_dropout_model_runs_after_apply(loaded: dict[str, LoadedModel]) -> None:
+    """Qwix forgets its rngs after the dummy forward; apply_lora gives the model its own dropout stream."""
+    base = loaded["llama3"]
+    spec = LoraSpec(rank=RANK, alpha=ALPHA, dropout=0.5, target_modules=r"layers/0/attn/q_proj")
+    model = apply_lora(base.model, spec, base.family, seed=0).model
+    set_lora_state(model, _random_lora(lora_state(model), seed=3))
+    tokens = _tokens()
+    first, second = (np.asarray(forward_logits(model, tokens)) for _ in range(2))
+    assert np.isfinite(first).all() and np.abs(first - second).max() > 0  # a fresh dropout mask per call

@@ -133,6 +133,10 @@ def apply_lora(
     lora_model = qwix.apply_lora_to_model(
         model, provider, tokens, positions, None, mask, rngs=nnx.Rngs(params=seed, dropout=seed)
     )
+    if lora_spec.dropout > 0:
+        # Qwix draws dropout keys from `module.qwix_rngs`, which it clears after the dummy forward;
+        # without this every later call fails. Note Qwix applies LoRA dropout on every call.
+        lora_model.set_attributes(qwix_rngs=nnx.Rngs(dropout=seed + 1))
     unused = provider.get_unused_rules()
     if unused:
         raise UserError(
