@@ -324,6 +324,15 @@ _MESH_SCRIPT = textwrap.dedent(
         a = np.asarray(forward_logits(sharded, tokens))
     b = np.asarray(forward_logits(load_model(sys.argv[1]).model, tokens))
     assert np.abs(a - b).max() < 1e-5, np.abs(a - b).max()
+    from lora_trainer.config import LoraSpec
+    from lora_trainer.lora import apply_lora
+    from lora_trainer.models import get_family
+    lora = apply_lora(sharded, LoraSpec(rank=4, alpha=8), get_family("llama3"), seed=0).model
+    a_q = lora.layers[0].attn.q_proj.w_lora_a.get_value()
+    assert a_q.sharding.spec[0] == "fsdp" and len(a_q.addressable_shards) == 2, a_q.sharding
+    with jax.set_mesh(mesh):
+        c = np.asarray(forward_logits(lora, tokens))
+    assert np.abs(c - b).max() < 1e-5, np.abs(c - b).max()
     print("ok")
     """
 )
@@ -331,7 +340,8 @@ _MESH_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_load_onto_a_two_device_mesh(tiny_dirs: dict[str, Path]) -> None:
-    """Weights land as NamedShardings over the mesh (own process: the CPU device count is fixed at start)."""
+    """Weights and LoRA params land as NamedShardings over the mesh (own process: the CPU device count is
+    fixed when JAX starts)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT, str(tiny_dirs["llama3.1"])],

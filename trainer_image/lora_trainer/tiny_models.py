@@ -39,8 +39,7 @@ _CORPUS = (
     "0123456789 +-*/=()[]{}<>,.;:!?'\" the and of to in is it that for on with as ",
 )
 
-#: Shared by every family: tiny, but GQA (4 q heads / 2 kv heads) and head_dim != hidden/heads
-#: would also be legal; here head_dim * heads == hidden as in the real small models.
+#: Shared by every family: tiny, with GQA (4 query heads / 2 KV heads) and an explicit head_dim.
 _COMMON: dict[str, Any] = {
     "vocab_size": 272,
     "hidden_size": 64,
@@ -164,8 +163,10 @@ def _hf_model(family: str, cfg: dict[str, Any], seed: int) -> Any:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                # Non-trivial norm scales catch a missing or doubled `1 +` (Gemma) and swaps.
-                p.copy_(1.0 + 0.2 * torch.randn_like(p)) if family != "gemma3" else p.copy_(0.2 * torch.randn_like(p))
+                # Non-trivial norm scales catch a missing or doubled `1 +` and swapped norms.
+                # Gemma stores w of a `(1 + w)` scale, the others the scale itself.
+                offset = 0.0 if family == "gemma3" else 1.0
+                p.copy_(offset + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
             else:
