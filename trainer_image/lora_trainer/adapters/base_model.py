@@ -1,9 +1,9 @@
 """What the adapter code needs to know about a base model without loading its weights.
 
 Converting an adapter only needs the base's config.json: the family (detected, or checked
-against an explicit one) and the NNX weight shape of every LoRA-targetable module, taken
-from the family's model built abstractly (`nnx.eval_shape`: no memory, no random init).
-That is also why conversion of an 8B adapter needs no 16 GB download of the base.
+against an explicit one) and the NNX weight shape of every LoRA-targetable module, which
+the family's weight table gives from config.json alone. So converting an 8B adapter needs
+neither a 16 GB download of the base nor a model build.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from typing import Any
 
 from lora_trainer import storage
 from lora_trainer.errors import UserError
-from lora_trainer.lora import targetable_modules
 from lora_trainer.models import FamilySpec, detect_family, get_family
-from lora_trainer.models.loading import build_abstract, read_hf_config
+from lora_trainer.models.loading import read_hf_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,5 +48,4 @@ def base_shapes(base_uri: str, family: str | None = None) -> BaseShapes:
         (Path(tmp) / "config.json").write_bytes(storage.read_bytes(config_uri))
         hf_config = read_hf_config(Path(tmp))
     spec = resolve_family(hf_config, family, config_uri)
-    shapes = targetable_modules(build_abstract(spec, hf_config, "float32"), spec)
-    return BaseShapes(family=spec, hf_config=hf_config, weight_shapes=shapes)
+    return BaseShapes(family=spec, hf_config=hf_config, weight_shapes=spec.lora_weight_shapes(hf_config))

@@ -9,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
+from lora_trainer.models.families.common import axis_sizes
 from lora_trainer.models.mapping import LoraTarget, WeightRule, expand
 
 HFConfig = Mapping[str, Any]
@@ -45,6 +46,19 @@ class FamilySpec:
         """Every LoRA-targetable NNX module path of a model, e.g. `layers/0/attn/q_proj`."""
         n = self.num_layers(hf_config)
         return [expand(t.nnx, i) for i in range(n) for t in self.lora_targets]
+
+    def lora_weight_shapes(self, hf_config: HFConfig) -> dict[str, tuple[int, ...]]:
+        """{module path: NNX weight shape} of every LoRA target, from config.json alone.
+
+        For the adapter converter, which needs only these shapes: building even an abstract
+        8B model (`nnx.eval_shape`) takes seconds.
+        """
+        sizes = axis_sizes(hf_config)
+        return {
+            expand(t.nnx, i): tuple(sizes[a] for a in t.weight.nnx_axes.split())
+            for i in range(self.num_layers(hf_config))
+            for t in self.lora_targets
+        }
 
     def target_for_path(self, module_path: str) -> tuple[LoraTarget, int]:
         """The LoraTarget and layer index of an NNX module path; KeyError if unknown."""

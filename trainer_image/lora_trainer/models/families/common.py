@@ -15,6 +15,19 @@ def head_dim(hf_config: Mapping[str, Any]) -> int:
     return int(value) if value else int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"])
 
 
+def axis_sizes(hf_config: Mapping[str, Any]) -> dict[str, int]:
+    """Sizes of the weight tables' axis letters (d embed, n query heads, k kv heads, h head_dim, f MLP, v vocab)."""
+    heads = int(hf_config["num_attention_heads"])
+    return {
+        "d": int(hf_config["hidden_size"]),
+        "n": heads,
+        "k": int(hf_config.get("num_key_value_heads") or heads),
+        "h": head_dim(hf_config),
+        "f": int(hf_config["intermediate_size"]),
+        "v": int(hf_config["vocab_size"]),
+    }
+
+
 def require(hf_config: Mapping[str, Any], family: str, key: str, allowed: tuple[Any, ...], default: Any) -> None:
     """Refuse a config.json setting the family's NNX model does not implement, naming it."""
     value = hf_config.get(key, default)

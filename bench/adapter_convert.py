@@ -1,0 +1,239 @@
+"""Adapter conversion speed on a Llama-3-8B-shaped adapter, against `cp` and against `peft`.
+
+The adapter: 32 layers, hidden 4096, 32 query / 8 key-value heads of 128, MLP 14336, rank 16
+on all seven projections (41.9M float32 parameters, 168 MB), random, written in PEFT's
+format. The base model is only its config.json (the non-merged path never reads weights).
+
+Measured in the same run, each the median of `--repeat` runs, files in the page cache:
+  - cp:            `cp -r` of the PEFT adapter directory (the floor: the same bytes moved once);
+  - convert:       `convert hf-peft -> orbax` (read + validate + map + Orbax write, committed);
+  - export:        `export` of that Orbax checkpoint -> PEFT (read + map + check + write);
+  - peft weights:  PEFT's own `load_peft_weights` + `safetensors.torch.save_file` (its I/O path);
+  - peft model:    `PeftModel.from_pretrained` on a `meta`-device Llama skeleton
+                   (`low_cpu_mem_usage=True`) + `save_pretrained`: PEFT's full load+save.
+Writes the figures into the "Adapters" section of docs/benchmarks.md.
+Run by hand: `.venv/bin/python bench/adapter_convert.py [--repeat 3] [--no-write]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
+SECTION = "## Adapters"
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, RANK = 32, 4096, 32, 8, 128, 14336, 16
+
+#: Llama 3.1 8B's config.json (the fields the family reads).
+BASE_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": HIDDEN,
+    "intermediate_size": MLP,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+
+
+def projections() -> dict[str, tuple[int, int]]:
+    """HF module name -> (out, in) of every projection LoRA targets."""
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    per_layer = {
+        "self_attn.q_proj": (q, HIDDEN),
+        "self_attn.k_proj": (kv, HIDDEN),
+        "self_attn.v_proj": (kv, HIDDEN),
+        "self_attn.o_proj": (HIDDEN, q),
+        "mlp.gate_proj": (MLP, HIDDEN),
+        "mlp.up_proj": (MLP, HIDDEN),
+        "mlp.down_proj": (HIDDEN, MLP),
+    }
+    return {f"model.layers.{i}.{m}": shape for i in range(LAYERS) for m, shape in per_layer.items()}
+
+
+def make_adapter(directory: Path) -> int:
+    """Write a random PEFT adapter (as PEFT lays it out); returns its parameter count."""
+    from lora_trainer.adapters.peft_format import LoraHyper, PeftLoraAdapter, write_peft_adapter
+
+    rng = np.random.default_rng(0)
+    modules = {
+        name: (rng.standard_normal((RANK, inp), np.float32) * 0.01, rng.standard_normal((out, RANK), np.float32) * 0.01)
+        for name, (out, inp) in projections().items()
+    }
+    short = tuple(sorted({n.rsplit(".", 1)[1] for n in modules}))
+    write_peft_adapter(directory, PeftLoraAdapter(LoraHyper(rank=RANK, alpha=32.0, target_modules=short), modules))
+    return sum(a.size + b.size for a, b in modules.values())
+
+
+def dir_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def timed(prepare: Callable[[], Callable[[Path], None]], scratch: Path, repeat: int) -> float:
+    """Median wall time of `run(out)` over `repeat` runs, each into a fresh output directory;
+    `prepare()` (not timed) returns each run's `run`."""
+    times = []
+    for i in range(repeat):
+        out = scratch / f"out-{i}"
+        fn = prepare()
+        start = time.perf_counter()
+        fn(out)
+        times.append(time.perf_counter() - start)
+        shutil.rmtree(out, ignore_errors=True)
+    return statistics.median(times)
+
+
+def peft_weights_roundtrip(src: Path, out: Path) -> None:
+    """PEFT's own adapter I/O: `load_peft_weights` then the `save_file` that `save_pretrained` ends with."""
+    from peft.utils import load_peft_weights
+    from safetensors.torch import save_file
+
+    weights = load_peft_weights(str(src), device="cpu")
+    out.mkdir(parents=True)
+    save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    shutil.copy2(src / "adapter_config.json", out / "adapter_config.json")
+
+
+def skeleton(base_dir: Path) -> Any:
+    """The 8B Llama without its 32 GB of weights: built on the `meta` device, then every Linear
+    weight replaced by a zero-stride CPU view of one zero (no memory), so PEFT puts the adapter
+    it loads on the CPU (on a pure meta skeleton it moves the adapter to `meta` as well)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(base_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    zero = torch.zeros((), dtype=torch.float32)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(zero.expand(module.out_features, module.in_features), requires_grad=False)
+    return model
+
+
+def peft_model_roundtrip(src: Path, out: Path, base: Any) -> None:
+    """`PeftModel.from_pretrained` on a weightless skeleton, then `save_pretrained`."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base, str(src), low_cpu_mem_usage=True)
+    model.save_pretrained(str(out))
+
+
+def measure(repeat: int) -> dict[str, Any]:
+    from lora_trainer.adapters.convert import convert
+    from lora_trainer.adapters.export import export_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="adapter-bench-") as tmp:
+        root = Path(tmp)
+        base = root / "base"
+        base.mkdir()
+        (base / "config.json").write_text(json.dumps(BASE_CONFIG))
+        peft_dir = root / "peft"
+        peft_dir.mkdir()
+        params = make_adapter(peft_dir)
+        orbax = root / "orbax"
+        convert("hf-peft", "orbax", str(peft_dir), str(orbax), base=str(base))  # warm-up + the export source
+
+        result: dict[str, Any] = {"parameters": params, "adapter_bytes": dir_bytes(peft_dir), "orbax_bytes": dir_bytes(orbax)}
+        result["cp_s"] = timed(lambda: lambda out: subprocess.run(["cp", "-r", str(peft_dir), str(out)], check=True), root, repeat)
+        result["convert_s"] = timed(
+            lambda: lambda out: convert("hf-peft", "orbax", str(peft_dir), str(out), base=str(base)), root, repeat
+        )
+        result["export_s"] = timed(lambda: lambda out: export_checkpoint(str(orbax), str(out)), root, repeat)
+        result["peft_weights_s"] = timed(lambda: lambda out: peft_weights_roundtrip(peft_dir, out), root, repeat)
+
+        def peft_model_run() -> Callable[[Path], None]:
+            model = skeleton(base)  # built outside the timing: a fresh one per run, PEFT mutates it
+            return lambda out: peft_model_roundtrip(peft_dir, out, model)
+
+        result["peft_model_s"] = timed(peft_model_run, root, repeat)
+    for op in ("convert", "export"):
+        result[f"{op}_vs_cp"] = result[f"{op}_s"] / result["cp_s"]
+        result[f"{op}_vs_peft_model"] = result[f"{op}_s"] / result["peft_model_s"]
+        result[f"{op}_vs_peft_weights"] = result[f"{op}_s"] / result["peft_weights_s"]
+    result["repeat"] = repeat
+    result["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end"
+    return result
+
+
+def write_section(r: dict[str, Any]) -> None:
+    """Replace (or append) the Adapters section of docs/benchmarks.md; other sections stay."""
+    ok = all(r[f"{op}_vs_cp"] <= 3 and r[f"{op}_vs_peft_model"] < 1 for op in ("convert", "export"))
+    body = f"""{SECTION}
+
+`bench/adapter_convert.py` (run by hand): a Llama-3-8B-shaped adapter (32 layers, hidden 4096,
+32/8 heads of 128, MLP 14336, rank 16 on all seven projections: {r['parameters'] / 1e6:.1f}M float32
+parameters, {r['adapter_bytes'] / 1e6:.0f} MB as PEFT safetensors, {r['orbax_bytes'] / 1e6:.0f} MB as Orbax), random,
+no base weights (the base is its config.json). Median of {r['repeat']} runs each, same run, files in
+the page cache, on {r['machine']}.
+
+| operation | seconds | vs `cp` | vs PEFT load+save (model) | vs PEFT load+save (weights only) |
+|---|---|---|---|---|
+| `cp -r` of the PEFT adapter (floor) | {r['cp_s']:.2f} | 1.0x | | |
+| `convert --from hf-peft --to orbax` | {r['convert_s']:.2f} | {r['convert_vs_cp']:.1f}x | {r['convert_vs_peft_model']:.2f}x | {r['convert_vs_peft_weights']:.2f}x |
+| `export` (Orbax -> PEFT) | {r['export_s']:.2f} | {r['export_vs_cp']:.1f}x | {r['export_vs_peft_model']:.2f}x | {r['export_vs_peft_weights']:.2f}x |
+| PEFT: `PeftModel.from_pretrained` on a meta-device Llama skeleton + `save_pretrained` | {r['peft_model_s']:.2f} | | 1.0x | |
+| PEFT: `load_peft_weights` + `safetensors.torch.save_file` (its I/O path only) | {r['peft_weights_s']:.2f} | | | 1.0x |
+
+Targets: within 3x of `cp` and faster than PEFT's load+save (the model path). {"Met." if ok else "Not met: see the ratios."}
+Convert includes reading and validating every tensor (finite, ranks, shapes against the
+base's abstract model) and Orbax's committed write; export includes Orbax's read and the
+same checks. The PEFT "weights only" path does no validation and no layout mapping.
+"""
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    if SECTION in text:
+        head, _, rest = text.partition(SECTION)
+        nxt = rest.find("\n## ")
+        tail = rest[nxt + 1 :] if nxt >= 0 else ""
+        text = head + body + ("\n" + tail if tail else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + body
+    DOC.write_text(text)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = p.parse_args()
+    result = measure(args.repeat)
+    print(json.dumps(result, indent=2))
+    if not args.no_write:
+        write_section(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
