@@ -287,6 +287,11 @@ def test_bad_checkpoints_name_the_file_or_key(tmp_path: Path, tiny_dirs: dict[st
     with pytest.raises(UserError, match="model.family is 'qwen3' but .* describes a llama3 model"):
         load_model(str(good), family="qwen3")
 
+    incomplete = _copy(good, tmp_path / "incomplete")
+    (incomplete / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "intermediate_size"}))
+    with pytest.raises(UserError, match="config.json has no 'intermediate_size'"):
+        load_model(str(incomplete))
+
     unsupported = _copy(good, tmp_path / "unsupported")
     (unsupported / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
     with pytest.raises(UserError, match="hidden_act='gelu' is not supported for family llama3"):

@@ -99,7 +99,13 @@ def _partition_spec(var: nnx.Variable, shape: tuple[int, ...], mesh: jax.shardin
 
 def build_abstract(family: FamilySpec, hf_config: Mapping[str, Any], dtype: str) -> nnx.Module:
     """The family's model with shapes only (no memory), for loading or inspection."""
-    return nnx.eval_shape(lambda: family.build(hf_config, DTYPES[dtype], nnx.Rngs(0)))
+    try:
+        return nnx.eval_shape(lambda: family.build(hf_config, DTYPES[dtype], nnx.Rngs(0)))
+    except KeyError as e:
+        raise UserError(
+            f"config.json has no {e.args[0]!r}, which a {family.name} model needs: use the checkpoint's original "
+            "config.json (as written by transformers' save_pretrained)"
+        ) from e
 
 
 def fill_params(
