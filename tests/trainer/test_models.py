@@ -70,13 +70,17 @@ def _tokens(batch: int = 2, seq: int = SEQ, seed: int = 0) -> np.ndarray:
 
 
 def hf_logits(directory: Path, tokens: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+    """transformers' logits; with a mask, positions count real tokens only (as in generation)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    mask = None if attention_mask is None else torch.tensor(attention_mask)
+    kwargs = {}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = torch.tensor(attention_mask)
+        kwargs["position_ids"] = torch.tensor(np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0))
     with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long), attention_mask=mask).logits.numpy()
+        return model(torch.tensor(tokens, dtype=torch.long), **kwargs).logits.numpy()
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -84,12 +88,13 @@ def test_logits_match_transformers(tiny_dirs: dict[str, Path], name: str) -> Non
     directory = tiny_dirs[name]
     loaded = load_model(str(directory))
     assert loaded.family.name == VARIANTS[name][0]
-    tokens = _tokens()
+    tokens = _tokens(batch=3)
     mask = np.ones_like(tokens)
-    mask[1, 17:] = 0  # right padding in the second row
+    mask[1, 17:] = 0  # right padding
+    mask[2, :5] = 0  # left padding
     ours = np.asarray(forward_logits(loaded.model, tokens, attention_mask=mask))
     theirs = hf_logits(directory, tokens, mask)
-    assert ours.shape == (2, SEQ, 272) and ours.dtype == np.float32
+    assert ours.shape == (3, SEQ, 272) and ours.dtype == np.float32
     valid = mask.astype(bool)
     assert np.abs(ours[valid] - theirs[valid]).max() < TOL
     assert np.abs(theirs).max() > 1.0  # the comparison is not between two near-zero tensors
