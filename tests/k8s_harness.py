@@ -300,7 +300,8 @@ class Harness:
         return data
 
     async def patch_status(self, kind: str, name: str, status_patch: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
-        """What a controller does: merge-patch the status subresource."""
+        """What a controller does: merge-patch the status subresource (of an object that exists)."""
+        await self.wait_for(lambda: self.get(kind, name, namespace), what=f"{kind} {name} to exist")
         status, data = await self._request(
             "PATCH", PATHS[kind].format(ns=namespace) + f"/{name}/status", {"status": status_patch}, merge=True
         )
@@ -335,7 +336,7 @@ class Harness:
 
     async def jobset_running(self, name: str, namespace: str = "default", *, restarts: int = 0) -> None:
         """JobSet controller: all replicated Jobs active."""
-        js = await self.get("JobSet", name, namespace)
+        js = await self.wait_for(lambda: self.get("JobSet", name, namespace), what=f"JobSet {name}")
         assert js is not None
         rj = js["spec"]["replicatedJobs"][0]
         await self.patch_status("JobSet", name, {

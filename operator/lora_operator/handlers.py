@@ -107,26 +107,28 @@ def lft_reconcile(
         patch.status.update({"phase": status.get("phase") or "Pending", "conditions": conditions})
         _event("Warning", dict(body), reason="SecretNotFound", message=str(e))
         raise
+    names = ChildNames.of(meta["name"])
+    fresh = not status.get("jobSetName")
+    if fresh:
+        # Written before the children exist, so every later JobSet-driven status write lands after it.
+        obs = (st.Observation("Suspended", "Suspended", "created suspended; set spec.suspend to false to start")
+               if spec.suspend else st.Observation("Pending", "JobSetCreated", f"created JobSet {names.jobset}; waiting for TPU pods"))
+        conditions = list(status.get("conditions") or [])
+        if spec.hf_token_secret_ref is not None:
+            conditions = st.set_condition(conditions, "SecretsResolved", "True", "SecretFound", "hfTokenSecretRef resolved",
+                                          generation, st.now_rfc3339())
+        new_status = st.status_patch({"conditions": conditions}, obs, generation, st.now_rfc3339(),
+                                     progress=f"0/{spec.training.steps}", jobSetName=names.jobset,
+                                     tpu=tpu_summary(shape, spec.tpu.slices), totalSteps=spec.training.steps)
+        kube.merge_patch(API_VERSION, "LoraFinetune", meta["namespace"], meta["name"], {"status": new_status}, status=True)
     try:
         for m in manifests:
             kube.create_or_adopt(m)
     except NotOwned as e:
         _fail(dict(body), patch, dict(status), "NameConflict", str(e), generation)
         return
-    names = ChildNames.of(meta["name"])
-    fields = {"jobSetName": names.jobset, "tpu": tpu_summary(shape, spec.tpu.slices), "totalSteps": spec.training.steps}
-    if status.get("phase"):  # resumed after an operator restart: the JobSet watcher owns the phase
-        patch.status.update(fields)
-        return
-    obs = (st.Observation("Suspended", "Suspended", "created suspended; set spec.suspend to false to start")
-           if spec.suspend else st.Observation("Pending", "JobSetCreated", f"created JobSet {names.jobset}; waiting for TPU pods"))
-    conditions = list(status.get("conditions") or [])
-    if spec.hf_token_secret_ref is not None:
-        conditions = st.set_condition(conditions, "SecretsResolved", "True", "SecretFound", "hfTokenSecretRef resolved",
-                                      generation, st.now_rfc3339())
-    patch.status.update(st.status_patch({"conditions": conditions}, obs, generation, st.now_rfc3339(),
-                                        progress=f"0/{spec.training.steps}", **fields))
-    _event("Normal", dict(body), reason="Created", message=f"created ConfigMap {names.config_map} and JobSet {names.jobset}")
+    if fresh:
+        _event("Normal", dict(body), reason="Created", message=f"created ConfigMap {names.config_map} and JobSet {names.jobset}")
 
 
 def lft_suspend(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, new: Any, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
@@ -135,17 +137,20 @@ def lft_suspend(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, new: Any,
         return
     suspend = bool(new)
     try:
-        memo.kube.merge_patch(JOBSET_API, "JobSet", meta["namespace"], status["jobSetName"], {"spec": {"suspend": suspend}})
+        jobset = memo.kube.merge_patch(JOBSET_API, "JobSet", meta["namespace"], status["jobSetName"], {"spec": {"suspend": suspend}})
     except ApiException as e:
         if e.status == 404:
             raise kopf.TemporaryError(f"JobSet {status['jobSetName']} not found yet", delay=5) from e
         raise
-    if suspend:
-        obs = st.Observation("Suspended", "Suspended", "suspended by spec.suspend; set it to false to resume from the last checkpoint")
-    else:
-        obs = st.Observation("Pending", "Resumed", "resumed; waiting for TPU pods (training continues from the last checkpoint)")
+    # The phase comes from the patched JobSet, as in jobset_event, so that whichever of the two
+    # writes last, they agree.
+    obs = st.observe_jobset(jobset)
+    if not suspend and obs.phase == "Pending":
+        obs = st.Observation("Pending", "Resumed", "resumed; waiting for TPU pods (training continues from the last checkpoint)", obs.restarts)
     patch.status.update(st.status_patch(dict(status), obs, meta.get("generation"), st.now_rfc3339()))
-    _event("Normal", dict(body), reason=obs.reason, message=obs.message)
+    _event("Normal", dict(body), reason="Suspended" if suspend else "Resumed",
+           message="suspended by spec.suspend; pods are deleted and the run resumes from its last checkpoint when unsuspended"
+           if suspend else "resumed by spec.suspend=false; training continues from the last checkpoint")
 
 
 def lft_progress(spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch, **_: Any) -> None:
