@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", action="append", default=[], help="directory to write into (repeatable; default: crds/)")
     c.add_argument("--check", action="store_true", help="exit 1 if the files on disk differ from the generated ones")
 
-    d = sub.add_parser("docs", help="generate docs/reference/ (CRDs, trainer CLI, exit codes) from the code")
+    d = sub.add_parser("docs", help="generate docs/reference/ (CRDs, CLIs, exit codes) from the code")
     d.add_argument("--out", default="docs/reference", help="directory to write into (default: docs/reference)")
     d.add_argument("--check", action="store_true", help="exit 1 if the files on disk differ from the generated ones")
 

@@ -343,8 +343,26 @@ def _say(message: str) -> None:
     print(f"run-local: {message}", flush=True)
 
 
+def _export(checkpoint_root: str, uris: dict[str, str]) -> None:
+    """The export Job's work (`lora-trainer export`), for each output the spec asks for."""
+    from lora_trainer.adapters.export import export_checkpoint
+
+    for key, uri in uris.items():
+        _say(f"exporting {'the merged model' if key == 'merged' else 'the HF PEFT adapter'} to {display_path(uri)}")
+        with _quiet_orbax():
+            export_checkpoint(checkpoint_root, uri, merged=key == "merged")
+
+
+def _plot(metrics_uri: str, title: str) -> str:
+    """Write loss.png next to metrics.jsonl; returns its URI."""
+    plot_uri = storage.join(metrics_uri.rsplit("/", 1)[0], "loss.png")
+    storage.write_bytes(plot_uri, loss_plot_png(read_metrics(storage.read_text(metrics_uri)), title))
+    return plot_uri
+
+
 def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, Any], str]:
-    """Train and export; returns the CR object as the operator would leave it, and the adapter URI."""
+    """Train, export and plot; returns the CR object as the operator would leave it and the
+    list of output paths to print."""
     name, spec = load_manifest(path)
     ignored = cluster_only_fields_set(spec)
     if ignored:
@@ -353,7 +371,6 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
     cfg = spec.train_config()
     created = datetime.now(UTC).replace(microsecond=0)
 
-    from lora_trainer.adapters.export import export_checkpoint
     from lora_trainer.train import run_training
 
     tpu = _device_summary()
@@ -374,19 +391,12 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
         view.close()
 
     uris = output_uris(spec)
-    for key, uri in uris.items():
-        _say(f"exporting {'the merged model' if key == 'merged' else 'the HF PEFT adapter'} to {display_path(uri)}")
-        with _quiet_orbax():
-            export_checkpoint(str(result.checkpoint_root), uri, merged=key == "merged")
-
+    _export(str(result.checkpoint_root), uris)
     metrics_uri = str(result.metrics_path)
-    plot_uri = storage.join(metrics_uri.rsplit("/", 1)[0], "loss.png")
-    storage.write_bytes(plot_uri, loss_plot_png(read_metrics(storage.read_text(metrics_uri)), f"{name}: {cfg.model.source.rsplit('/', 1)[-1]}"))
+    plot_uri = _plot(metrics_uri, f"{name}: {cfg.model.source.rsplit('/', 1)[-1]}")
 
     status = {"phase": "Succeeded", "tpu": tpu, "restarts": 0, **progress_status(last, cfg.training.steps)}
-    status["step"] = result.final_step
-    status["progress"] = f"{result.final_step}/{cfg.training.steps}"
-    status["adapterUri"] = uris.get("adapter")
+    status.update(step=result.final_step, progress=f"{result.final_step}/{cfg.training.steps}")
     obj = {"metadata": {"name": name, "creationTimestamp": created.isoformat()}, "spec": spec.to_wire(), "status": status}
     paths = {"adapter": uris.get("adapter"), "merged model": uris.get("merged"), "checkpoints": str(result.checkpoint_root),
              "metrics": metrics_uri, "loss curve": plot_uri}

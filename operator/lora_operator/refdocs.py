@@ -1,9 +1,10 @@
-"""Generate docs/reference/ from the code: both CRDs, the trainer CLI and the exit codes.
+"""Generate docs/reference/ from the code: both CRDs, both CLIs and the exit codes.
 
 The CRD pages are written from the same generated CRD dicts `lora-operator crds` writes to
 `crds/` (so every field, default, bound, enum, pattern and CEL rule in the docs is what the API
 server enforces); the CLI page from `lora-trainer`'s argparse parser; the exit-code page from
 `lora_trainer.exit_codes` and the podFailurePolicy the operator renders from it.
+(The operator CLI is imported lazily: cli.py imports this module for `lora-operator docs`.)
 `lora-operator docs --check` (and a test) fails when a committed page is stale.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,8 +100,6 @@ def _field_table(schema: Schema, root: str) -> list[str]:
 
 
 def _json(value: Any) -> str:
-    import json
-
     return json.dumps(value, separators=(", ", ": "))
 
 
@@ -230,9 +230,12 @@ def exit_codes_reference() -> str:
 
 def generated_files() -> dict[str, str]:
     """File name (under docs/reference/) -> Markdown text."""
+    from lora_operator.cli import _parser as operator_parser
+
     return {
         "lorafinetune.md": crd_reference(lora_finetune_crd()),
         "adapterconversion.md": crd_reference(adapter_conversion_crd()),
+        "operator-cli.md": cli_reference(operator_parser()),
         "trainer-cli.md": cli_reference(trainer_parser()),
         "exit-codes.md": exit_codes_reference(),
     }
