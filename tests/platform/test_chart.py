@@ -227,3 +227,15 @@ def test_notes_tell_the_user_what_to_do_next() -> None:
     custom = notes(CUSTOM_VALUES)
     assert "team-a, team-b" in custom and 'LocalQueue "tpu-v6e"' in custom
     assert "serviceAccount.gcpServiceAccount" not in custom
+
+
+def test_chart_version_tracks_the_project_version() -> None:
+    """One release number: the chart, its default operator image tag and the default trainer image."""
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    with helm.Chart.load(CHART) as chart:
+        meta, values = chart.metadata, chart.values
+    assert meta["version"] == meta["appVersion"] == version
+    assert values["trainer"]["image"].endswith(f":{version}")
+    assert only(render({}), "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(f":{version}")
