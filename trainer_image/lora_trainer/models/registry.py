@@ -58,4 +58,11 @@ def get_family(name: str) -> FamilySpec:
     if name not in _DETECT:
         raise UserError(f"unknown model family {name!r}; supported: {', '.join(FAMILIES)}")
     module = importlib.import_module(f"lora_trainer.models.families.{name}")
-    return FamilySpec(**module.SPEC_ARGS, auto_target_regex=_target_table()[name]["auto"])
+    model_types, architectures = _DETECT[name]
+    return FamilySpec(
+        name=name,
+        model_types=model_types,
+        architectures=architectures,
+        auto_target_regex=_target_table()[name]["auto"],
+        **module.SPEC_ARGS,
+    )

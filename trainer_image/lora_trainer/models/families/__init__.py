@@ -1,1 +1,2 @@
-"""One module per model family; each defines `SPEC_ARGS` for the registry and never imports another family."""
+"""One module per model family; each defines `SPEC_ARGS` (build, weight table, LoRA targets) for the
+registry, which adds the name, detection keys and target regex. Families never import each other."""

@@ -188,9 +188,6 @@ LORA_TARGETS = (
 )
 
 SPEC_ARGS = dict(
-    name="gemma3",
-    model_types=("gemma3_text",),
-    architectures=("Gemma3ForCausalLM",),
     build=build,
     weights=WEIGHTS,
     lora_targets=LORA_TARGETS,

@@ -59,9 +59,6 @@ def build(hf_config: Mapping[str, Any], dtype: jnp.dtype, rngs: nnx.Rngs) -> Lla
 WEIGHTS, LORA_TARGETS = llama_style_tables()
 
 SPEC_ARGS = dict(
-    name="llama3",
-    model_types=("llama",),
-    architectures=("LlamaForCausalLM",),
     build=build,
     weights=WEIGHTS,
     lora_targets=LORA_TARGETS,

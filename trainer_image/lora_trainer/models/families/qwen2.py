@@ -59,9 +59,6 @@ WEIGHTS, LORA_TARGETS = llama_style_tables(
 )
 
 SPEC_ARGS = dict(
-    name="qwen2",
-    model_types=("qwen2",),
-    architectures=("Qwen2ForCausalLM",),
     build=build,
     weights=WEIGHTS,
     lora_targets=LORA_TARGETS,

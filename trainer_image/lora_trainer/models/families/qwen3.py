@@ -67,9 +67,6 @@ WEIGHTS, LORA_TARGETS = llama_style_tables(
 )
 
 SPEC_ARGS = dict(
-    name="qwen3",
-    model_types=("qwen3",),
-    architectures=("Qwen3ForCausalLM",),
     build=build,
     weights=WEIGHTS,
     lora_targets=LORA_TARGETS,
