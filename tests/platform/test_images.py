@@ -105,3 +105,42 @@ def test_rendered_trainer_commands_are_what_the_trainer_image_runs(path: Path) -
                 pytest.fail(f"{obj['metadata']['name']}: lora-trainer rejects {argv}: exit {e.code}")
             expected = {"JobSet": {"train"}, "Job": {"export", "convert"}}[obj["kind"]]
             assert args.command in expected
+
+
+#: Import names of what the trainer and test extras add on top of the operator image.
+NOT_IN_OPERATOR_IMAGE = {
+    "jax": "jax", "flax": "flax", "qwix": "qwix", "google-tunix": "tunix", "orbax-checkpoint": "orbax",
+    "optax": "optax", "transformers": "transformers", "safetensors": "safetensors", "gcsfs": "gcsfs",
+    "pyarrow": "pyarrow", "tensorboardx": "tensorboardX", "matplotlib": "matplotlib", "torch": "torch", "peft": "peft",
+}
+
+_BLOCKER = """
+import importlib.abc, sys
+BLOCKED = set(sys.argv[1].split(","))
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is not installed in the operator image")
+sys.meta_path.insert(0, Block())
+import lora_operator.cli, lora_operator.runner, lora_operator.handlers, lora_operator.kube
+sys.exit(lora_operator.cli.main(["render", "-f", sys.argv[2]]))
+"""
+
+
+def test_operator_runs_without_the_trainer_stack() -> None:
+    """The operator image has only the `operator` extra: the operator's modules must import (and
+    render) with JAX, torch, transformers, matplotlib ... absent."""
+    import subprocess
+    import sys
+
+    operator_extra = set(pins(PYPROJECT["project"]["optional-dependencies"]["operator"]))
+    heavy = set(pins(PYPROJECT["project"]["optional-dependencies"]["trainer"])) - operator_extra
+    heavy |= {"torch", "peft"}
+    assert heavy <= set(NOT_IN_OPERATOR_IMAGE), f"map the import names of {heavy - set(NOT_IN_OPERATOR_IMAGE)}"
+    blocked = ",".join(NOT_IN_OPERATOR_IMAGE[d] for d in sorted(heavy))
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKER, blocked, str(rendered.EXAMPLES / "gke" / "llama31-8b-v5p.yaml")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "kind: JobSet" in proc.stdout
