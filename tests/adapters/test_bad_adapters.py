@@ -14,7 +14,9 @@ from safetensors.numpy import load_file, save_file
 
 from lora_trainer import cli, exit_codes
 from lora_trainer.adapters.convert import convert
+from lora_trainer.adapters.export import export_checkpoint
 from lora_trainer.adapters.peft_format import CONFIG_NAME, WEIGHTS_NAME
+from lora_trainer.checkpoint import read_lora, write_lora
 from lora_trainer.errors import UserError
 
 Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -99,3 +101,16 @@ def test_family_that_contradicts_the_base_is_refused(good, tmp_path):
     base, adapter = good
     with pytest.raises(UserError, match="--family is 'gemma3' but .* describes a llama3 model"):
         convert("hf-peft", "orbax", str(adapter), str(tmp_path / "o"), base=str(base), family="gemma3")
+
+
+def test_diverged_checkpoint_is_not_exported(good, tmp_path):
+    base, adapter = good
+    convert("hf-peft", "orbax", str(adapter), str(tmp_path / "orbax"), base=str(base))
+    tree, metadata = read_lora(str(tmp_path / "orbax"))
+    tree["layers/0/attn/v_proj"]["w_lora_b"][0, 0, 0] = np.nan
+    write_lora(str(tmp_path / "diverged"), 5, tree, metadata)
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    with pytest.raises(UserError, match="layers/0/attn/v_proj/w_lora_b of step 5 holds NaN or Inf"):
+        export_checkpoint(str(tmp_path / "diverged"), str(out_parent / "hf"))
+    assert list(out_parent.iterdir()) == []

@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 from conftest import FAMILIES
 from hf_side import TOKENS, hf_logits
+from safetensors.numpy import load_file
 
 from lora_trainer.adapters.export import export_checkpoint
 from lora_trainer.adapters.logits import jax_logits
 from lora_trainer.adapters.merge import INDEX_FILE
-from lora_trainer.adapters.peft_format import CONFIG_NAME
+from lora_trainer.adapters.peft_format import CONFIG_NAME, WEIGHTS_NAME
 from lora_trainer.checkpoint import latest_committed_step
 from lora_trainer.config import TrainConfig
+from lora_trainer.errors import UserError
 from lora_trainer.train import run_training
 
 pytestmark = pytest.mark.slow
@@ -35,7 +37,7 @@ def _train(base: Path, tmp: Path) -> str:
             "dataset": {"train": str(tmp / "train.jsonl"), "format": "text", "maxSeqLen": 16},
             "lora": {"rank": 4, "alpha": 8.0},
             # A high learning rate so that B moves far from zero in a few steps.
-            "training": {"steps": STEPS, "globalBatchSize": 2, "learningRate": 0.05, "schedule": "constant", "checkpointEvery": STEPS},
+            "training": {"steps": STEPS, "globalBatchSize": 2, "learningRate": 0.05, "schedule": "constant", "checkpointEvery": 1},
             "output": {"uri": str(tmp / "run")},
         }
     )
@@ -78,3 +80,14 @@ def test_config_comes_from_the_checkpoint(exported):
     assert (cfg["bias"], cfg["fan_in_fan_out"], cfg["use_rslora"]) == ("none", False, False)
     assert cfg["base_model_name_or_path"] == str(base)
     assert sorted(cfg["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def test_an_earlier_step_exports_on_request(exported, tmp_path):
+    _family, _base, root, adapter, _merged, _ = exported
+    export_checkpoint(root, str(tmp_path / "step1"), step=1)
+    first, last = load_file(str(tmp_path / "step1" / WEIGHTS_NAME)), load_file(str(adapter / WEIGHTS_NAME))
+    assert sorted(first) == sorted(last)
+    assert any(not np.array_equal(first[k], last[k]) for k in first)
+    with pytest.raises(UserError, match="step 99 is not a committed checkpoint"):
+        export_checkpoint(root, str(tmp_path / "step99"), step=99)
+    assert not (tmp_path / "step99").exists()

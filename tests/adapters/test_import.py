@@ -65,3 +65,14 @@ def test_round_trip_is_bitwise(imported, tmp_path):
     scale_a = a["lora_alpha"] / (math.sqrt(a["r"]) if a["use_rslora"] else a["r"])
     assert b["lora_alpha"] / b["r"] == pytest.approx(scale_a, rel=1e-12)
     assert b["base_model_name_or_path"] == str(base)
+
+
+
+def test_logits_tool_reads_a_peft_adapter_directly(tiny_base, tmp_path):
+    """Format detection is family-independent, so one family keeps the suite short."""
+    base = tiny_base("llama3")
+    adapter = make_peft_adapter(base, tmp_path / "peft", seed=2)
+    convert("hf-peft", "orbax", str(adapter), str(tmp_path / "orbax"), base=str(base))
+    direct = jax_logits(str(base), TOKENS, adapter=str(adapter))
+    np.testing.assert_array_equal(direct, jax_logits(str(base), TOKENS, adapter=str(tmp_path / "orbax")))
+    np.testing.assert_allclose(direct, hf_logits(base, adapter_dir=adapter), atol=1e-4, rtol=0)

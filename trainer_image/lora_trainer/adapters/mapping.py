@@ -97,15 +97,18 @@ def peft_to_lora_tree(
 def target_regex(module_paths: Iterable[str], family: FamilySpec, all_paths: Iterable[str]) -> str:
     """A targetModules regex that full-matches exactly `module_paths` among the model's `all_paths`.
 
-    Per-projection over every layer (`layers/\\d+/(attn/q_proj|...)`) when the adapter covers
-    whole projections, else the explicit list of paths.
+    The family's `auto` regex when the adapter covers every projection, per-projection over
+    every layer (`layers/\\d+/(attn/q_proj|...)`) when it covers whole projections, else the
+    explicit list of paths.
     """
-    chosen = set(module_paths)
+    chosen, every = set(module_paths), set(all_paths)
+    if chosen == every:
+        return family.auto_target_regex
     kinds = sorted({t.nnx for t in family.lora_targets if any(_matches(t.nnx, p) for p in chosen)})
     regex = "layers/\\d+/(" + "|".join(re.escape(k.split("{i}/", 1)[1]) for k in kinds) + ")" if all(
         k.startswith("layers/{i}/") for k in kinds
     ) else ""
-    if regex and {p for p in all_paths if re.fullmatch(regex, p)} == chosen:
+    if regex and {p for p in every if re.fullmatch(regex, p)} == chosen:
         return regex
     return "(" + "|".join(re.escape(p) for p in sorted(chosen)) + ")"
 
