@@ -155,6 +155,9 @@ def apply_lora(
             f"lora.targetModules '{regex}' also matches modules that are not attention/MLP projections "
             f"({', '.join(stray)}); adapters for them cannot be exported to HF PEFT. Narrow the regex."
         )
+    missed = sorted(set(matched) - set(created))
+    if missed:
+        raise AssertionError(f"Qwix created no LoRA params on matched modules {missed}: the model's call path changed")
     return LoraApplied(model=lora_model, target_regex=regex, module_paths=created)
 
 
