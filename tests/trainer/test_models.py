@@ -47,7 +47,8 @@ VARIANTS = {
         },
     ),
     "qwen3": ("qwen3", {}),
-    "qwen3-theta5e6-untied": ("qwen3", {"rope_theta": 5_000_000.0, "tie_word_embeddings": False}),
+    # Qwen3 8B-like: untied; heads * head_dim (128) != hidden (64) as in Qwen3 0.6B; another theta.
+    "qwen3-theta5e6-untied": ("qwen3", {"rope_theta": 5_000_000.0, "tie_word_embeddings": False, "head_dim": 32}),
     "qwen2": ("qwen2", {}),
     "gemma3": ("gemma3", {}),
     # Gemma 3 1B: one KV head (Tunix's non-GQA einsum path).
