@@ -53,6 +53,14 @@ def test_round_trip_is_bitwise_and_peft_reads_it(tmp_path):
     assert tuple(weights[f"base_model.model.{MODULE}.lora_B.weight"].shape) == (32, 4)
 
 
+def test_missing_alpha_takes_peft_default(tmp_path):
+    d = _written(tmp_path)
+    cfg = json.loads((d / pf.CONFIG_NAME).read_text())
+    del cfg["lora_alpha"]
+    (d / pf.CONFIG_NAME).write_text(json.dumps(cfg))
+    assert pf.read_peft_adapter(d).hyper.scale == 8 / 4
+
+
 def test_rslora_is_folded_into_alpha(tmp_path):
     hyper = pf.read_peft_adapter(_written(tmp_path, use_rslora=True, lora_alpha=8)).hyper
     assert hyper.scale == pytest.approx(8 / math.sqrt(4), rel=1e-12)

@@ -71,9 +71,11 @@ def _publish_orbax(out: str, tree: LoraTree, metadata: dict[str, Any]) -> None:
 
     Locally it is staged and renamed into place; on gs:// Orbax itself makes the step
     visible only when committed (`commit_success.txt`), which a copied local checkpoint
-    would lack.
+    would lack. Called only after the adapter has been fully validated.
     """
     if storage.is_gcs(out):
+        if storage.exists(out):  # replaced whole, as a local output is
+            storage.delete_tree(out)
         write_lora(out, IMPORTED_STEP, tree, metadata)
         return
     with storage.staged_output_dir(out) as stage:

@@ -3,6 +3,7 @@
 Like MaxText's forward-pass logit checker: run the base model (optionally with an adapter
 in either format) on the trainer's own model code and save float32 [len, vocab] logits as
 `.npy`, to compare with `transformers` (+ `peft`) on the same tokens.
+The base runs unquantized (as `transformers` runs it) even for a QLoRA adapter.
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 #: PEFT prefixes every key with the wrapper path of `PeftModelForCausalLM`.
 KEY_PREFIX = "base_model.model."
+#: `LoraConfig.lora_alpha`'s default, which applies when a config omits it.
+PEFT_DEFAULT_ALPHA = 8
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
@@ -113,7 +115,7 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> LoraHyper:
     r = raw.get("r")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise _config_error(path, f"r must be a positive integer, got {r!r}")
-    alpha = raw.get("lora_alpha", r)
+    alpha = raw.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0 or not math.isfinite(alpha):
         raise _config_error(path, f"lora_alpha must be a positive number, got {alpha!r}")
     alpha = float(alpha)
