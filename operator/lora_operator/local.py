@@ -353,10 +353,10 @@ def _export(checkpoint_root: str, uris: dict[str, str]) -> None:
             export_checkpoint(checkpoint_root, uri, merged=key == "merged")
 
 
-def _plot(metrics_uri: str, title: str) -> str:
+def _plot(metrics_uri: str, records: list[dict[str, Any]], title: str) -> str:
     """Write loss.png next to metrics.jsonl; returns its URI."""
     plot_uri = storage.join(metrics_uri.rsplit("/", 1)[0], "loss.png")
-    storage.write_bytes(plot_uri, loss_plot_png(read_metrics(storage.read_text(metrics_uri)), title))
+    storage.write_bytes(plot_uri, loss_plot_png(records, title))
     return plot_uri
 
 
@@ -393,7 +393,10 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
     uris = output_uris(spec)
     _export(str(result.checkpoint_root), uris)
     metrics_uri = str(result.metrics_path)
-    plot_uri = _plot(metrics_uri, f"{name}: {cfg.model.source.rsplit('/', 1)[-1]}")
+    records = read_metrics(storage.read_text(metrics_uri))
+    plot_uri = _plot(metrics_uri, records, f"{name}: {cfg.model.source.rsplit('/', 1)[-1]}")
+    if "loss" not in last:  # a rerun of a finished run reports nothing new: show the recorded end
+        last = next((r for r in reversed(records) if "loss" in r and "totalSteps" in r), {})
 
     status = {"phase": "Succeeded", "tpu": tpu, "restarts": 0, **progress_status(last, cfg.training.steps)}
     status.update(step=result.final_step, progress=f"{result.final_step}/{cfg.training.steps}")

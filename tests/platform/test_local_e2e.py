@@ -79,6 +79,13 @@ def test_run_local_trains_exports_and_reports(tiny_model: Path, tmp_path: Path) 
     assert "adapter:      out/hf-adapter" in stdout  # relative to the working directory
     assert "loss curve:   out/loss.png" in stdout
 
+    # Running it again finds the run finished: no training, the same export and the same table.
+    again = run_local(manifest(tmp_path, tiny_model), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not [line for line in again.stdout.splitlines() if line.startswith("step ")]
+    lines = again.stdout.splitlines()
+    assert lines[lines.index(stdout[header]) + 1].split()[:-1] == row[:-1]  # all but AGE
+
 
 def test_run_local_trainer_error_is_one_paragraph_and_exit_3(tiny_model: Path, tmp_path: Path) -> None:
     path = manifest(tmp_path, tiny_model)
