@@ -239,3 +239,12 @@ def test_chart_version_tracks_the_project_version() -> None:
     assert meta["version"] == meta["appVersion"] == version
     assert values["trainer"]["image"].endswith(f":{version}")
     assert only(render({}), "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(f":{version}")
+
+
+def test_existing_service_account_and_no_rbac() -> None:
+    """A platform that manages identities and RBAC itself: the chart creates neither."""
+    objs = render({"serviceAccount": {"create": False, "name": "platform-operator"}, "rbac": {"create": False}})
+    assert {o["kind"] for o in objs} == {"Deployment", "ConfigMap"}
+    assert only(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "platform-operator"
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmRenderError, match="serviceAccount.name is required"):
+        chart.render({"serviceAccount": {"create": False}}, name=RELEASE, namespace=NAMESPACE)
