@@ -38,7 +38,7 @@ def is_peft_dir(uri: str) -> bool:
 
 def read_peft_uri(uri: str) -> PeftLoraAdapter:
     """Read and validate the PEFT adapter at a local path or gs:// URI."""
-    if not storage.exists(storage.join(uri, CONFIG_NAME)):
+    if not is_peft_dir(uri):  # checked before a gs:// download of whatever lies there
         raise UserError(
             f"{storage.join(uri, CONFIG_NAME)} does not exist: an HF PEFT adapter directory holds "
             "adapter_config.json and adapter_model.safetensors"
