@@ -154,6 +154,7 @@ async def measure(count: int, timeout: float) -> dict[str, Any]:
         "idle_rss_mb": round(idle_rss, 1),
         "peak_rss_mb": round(peak_rss, 1),
         "cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
         "python": platform.python_version(),
     }
 
@@ -165,7 +166,9 @@ def write_section(result: dict[str, Any]) -> None:
 
 `bench/operator_latency.py` (run by hand): {result['count']} LoraFinetunes created at once against the
 KMock emulator on loopback; the real `lora-operator run` in its own process; latency = CR creation
-(API answer) -> its JobSet exists. Machine: {result['cpus']} CPUs (shared), Python {result['python']}.
+(API answer) -> its JobSet exists. Machine: {result['cpus']} CPUs shared with other work (1-minute load
+average {result['load_avg_1m']} at the end of the run), Python {result['python']}. The emulator runs in the
+benchmark's own process and is part of the measured path.
 
 | metric | value | target |
 |---|---|---|

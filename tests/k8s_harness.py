@@ -94,6 +94,14 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             return
         yield from super().__iter__()
 
+    def _KubernetesEmulator__get_obj(self, request: kmock.Request, strict: bool) -> kmock.Object | None:
+        # KMock scans every stored object for a named GET/PATCH; look the name up directly first.
+        if request.name is not None and request.resource is not None:
+            obj = self.objects._objects.get((request.resource, request.namespace, request.name))
+            if obj is not None:
+                return obj
+        return super()._KubernetesEmulator__get_obj(request, strict)  # type: ignore[attr-defined]
+
     async def _handle(self, request: kmock.Request) -> Any:
         _SERVING.set(request)
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):

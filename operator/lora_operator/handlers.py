@@ -194,8 +194,8 @@ def _write_status(kube: Kube, cr: dict[str, Any], obs: st.Observation, **fields:
 
 def jobset_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
     """An owned JobSet changed: map its status onto the LoraFinetune; on completion start the export."""
-    if type == "DELETED" or not body.get("status"):
-        return  # a JobSet without status yet: reconcile already reported Pending/Suspended
+    if type == "DELETED":
+        return
     kube: Kube = memo.kube
     cr = _owner_cr(kube, dict(body), "LoraFinetune", LFT_LABEL)
     if cr is None or (cr.get("status") or {}).get("phase") in (*st.TERMINAL, "Exporting"):
@@ -289,6 +289,11 @@ def conversion_job_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_
 # --- registry ----------------------------------------------------------------------------------
 
 
+def _has_status(body: kopf.Body, **_: Any) -> bool:
+    """A JobSet the controller has not reported on yet changes nothing (reconcile set the phase)."""
+    return bool(body.get("status"))
+
+
 def _running(status: kopf.Status, **_: Any) -> bool:
     return status.get("phase") == "Running"
 
@@ -302,7 +307,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         decorator(GROUP, VERSION, ADC, registry=registry, id="reconcile")(adc_reconcile)
     kopf.on.update(GROUP, VERSION, LFT, field="spec.suspend", registry=registry, id="suspend")(lft_suspend)
     kopf.timer(GROUP, VERSION, LFT, interval=settings.progress_poll_seconds, when=_running, registry=registry, id="progress")(lft_progress)
-    kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LFT_LABEL: kopf.PRESENT}, registry=registry)(jobset_event)
+    kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LFT_LABEL: kopf.PRESENT}, when=_has_status,
+                  registry=registry)(jobset_event)
     kopf.on.event("batch", "v1", "jobs", labels={LFT_LABEL: kopf.PRESENT, COMPONENT_LABEL: "export"}, registry=registry)(export_job_event)
     kopf.on.event("batch", "v1", "jobs", labels={ADC_LABEL: kopf.PRESENT, COMPONENT_LABEL: "convert"}, registry=registry)(conversion_job_event)
     return registry

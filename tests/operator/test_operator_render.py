@@ -231,3 +231,8 @@ def test_render_command_prints_a_yaml_stream(tmp_path, capsys):
     bad.write_text(yaml.safe_dump(body(tpu={"type": "v5e", "topology": "2x2x2"})))
     assert cli_main(["render", "-f", str(bad)]) == 2
     assert "spec.tpu.topology" in capsys.readouterr().err
+
+
+def test_invalid_uri_message_names_the_field_and_the_allowed_forms():
+    with pytest.raises(InvalidSpec, match=r"spec.model.source: 's3://b/m' is not a supported location; use .*hf://ORG/NAME"):
+        render_lora_finetune(body(model={"source": "s3://b/m"}), SETTINGS)
