@@ -1,0 +1,81 @@
+"""`lora-operator run` as a real process: kubeconfig login, liveness endpoint, CR -> JobSet."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from k8s_harness import Harness, real_cluster
+
+from lora_operator.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_run_refuses_bad_settings(tmp_path, capsys):
+    bad = tmp_path / "settings.yaml"
+    bad.write_text("allowedImages: [x]\n")
+    assert cli_main(["run", "--settings", str(bad)]) == 2
+    assert "allowedImages" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_operator_process_serves_liveness_and_creates_jobsets(tmp_path):
+    async with Harness() as h:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+            "clusters": [{"name": "emu", "cluster": {"server": h.url}}],
+            "users": [{"name": "emu", "user": {}}],
+            "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": "default"}}],
+        }))
+        port = _free_port()
+        log = tmp_path / "operator.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lora_operator.cli", "run", "--liveness", f"http://127.0.0.1:{port}/healthz"],
+            env={"KUBECONFIG": str(kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+            stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=ROOT,
+        )
+        try:
+            async with aiohttp.ClientSession() as s:
+                async def live() -> bool:
+                    try:
+                        async with s.get(f"http://127.0.0.1:{port}/healthz") as r:
+                            return r.status == 200
+                    except aiohttp.ClientError:
+                        assert proc.poll() is None, log.read_text()
+                        return False
+
+                await h.wait_for(live, timeout=60, what="liveness endpoint")
+            await h.create({
+                "apiVersion": "lora-operator.dev/v1alpha1", "kind": "LoraFinetune", "metadata": {"name": "proc"},
+                "spec": {"model": {"source": "gs://models-bucket/m"}, "dataset": {"train": "gs://data-bucket/t.jsonl"},
+                         "output": {"uri": "/nonexistent/proc"}},
+            })
+            js = await h.wait_for(lambda: h.get("JobSet", "proc"), timeout=30, what="JobSet from the process")
+            assert js["metadata"]["labels"]["lora-operator.dev/lorafinetune"] == "proc"
+        finally:
+            proc.terminate()
+            await asyncio.to_thread(proc.wait, 30)
+        assert proc.returncode == 0, log.read_text()
+
+
+@pytest.mark.skipif(not real_cluster(), reason="needs a real cluster: set KUBECONFIG and LORA_E2E_REAL_CLUSTER=1")
+def test_crds_install_on_a_real_cluster():
+    """Server-side dry-run of both CRDs: the API server itself checks structure and CEL cost."""
+    for crd in sorted((ROOT / "crds").glob("*.yaml")):
+        out = subprocess.run(["kubectl", "apply", "--dry-run=server", "-f", str(crd)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
