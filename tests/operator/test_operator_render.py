@@ -236,3 +236,33 @@ def test_render_command_prints_a_yaml_stream(tmp_path, capsys):
 def test_invalid_uri_message_names_the_field_and_the_allowed_forms():
     with pytest.raises(InvalidSpec, match=r"spec.model.source: 's3://b/m' is not a supported location; use .*hf://ORG/NAME"):
         render_lora_finetune(body(model={"source": "s3://b/m"}), SETTINGS)
+
+
+@pytest.mark.parametrize(("tpu_type", "topology", "slices"), [("v5p", "2x2x2", 2), ("v5e", "4x4", 3), ("v6e", "1x1", 1)])
+def test_rendered_env_gives_every_pod_a_distinct_jax_process_id(tpu_type, topology, slices):
+    """The seam with lora_trainer.distributed: resolve the downward API as the kubelet would."""
+    from lora_trainer.distributed import cluster_env
+
+    _, js = render_lora_finetune(body(tpu={"type": tpu_type, "topology": topology, "slices": slices}), SETTINGS)
+    rjob = js["spec"]["replicatedJobs"][0]
+    hosts = rjob["template"]["spec"]["completions"]
+    env = rjob["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    ids = set()
+    for job_index in range(rjob["replicas"]):
+        for completion in range(hosts):
+            labels = {"jobset.sigs.k8s.io/job-index": str(job_index), "jobset.sigs.k8s.io/replicatedjob-replicas": str(slices)}
+            annotations = {"batch.kubernetes.io/job-completion-index": str(completion)}
+            resolved = {}
+            for e in env:
+                if "value" in e:
+                    resolved[e["name"]] = e["value"]
+                elif "fieldRef" in e.get("valueFrom", {}):
+                    path = e["valueFrom"]["fieldRef"]["fieldPath"]
+                    source, key = path.split("[", 1)
+                    key = key.strip("]'")
+                    resolved[e["name"]] = (labels if source == "metadata.labels" else annotations)[key]
+            c = cluster_env(resolved)
+            assert c.kind == "explicit" and c.process_count == hosts * slices
+            assert c.coordinator == "run-1-slice-0-0.run-1:8476"
+            ids.add(c.process_id)
+    assert ids == set(range(hosts * slices))
