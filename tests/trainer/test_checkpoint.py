@@ -141,3 +141,14 @@ def test_gcs_round_trip_and_commit_marker(gcs_bucket):
     storage._blob(f"{root}/6/commit_success.txt").delete()
     assert ckpt.committed_steps(root) == [4]
     assert ckpt.read_lora(root)[1]["step"] == 4
+
+
+@pytest.mark.slow
+def test_gcs_many_arrays(gcs_bucket):
+    """A real adapter has hundreds of arrays; saving them concurrently must work on gs:// too."""
+    rng = np.random.default_rng(0)
+    tree = {f"layers/{i}/mlp/up_proj": {"kernel_lora_a": rng.standard_normal((8, 2)).astype(np.float32),
+                                         "kernel_lora_b": rng.standard_normal((2, 8)).astype(np.float32)} for i in range(40)}
+    root = f"gs://{gcs_bucket}/test_checkpoint/many"
+    ckpt.write_lora(root, 1, tree, META)
+    _assert_tree_equal(ckpt.read_lora(root)[0], tree)

@@ -241,14 +241,27 @@ class _StopRequest:
 # --------------------------------------------------------------------------- the run
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever `sys.stderr` is at emit time (test harnesses and the local mode swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def _configure_logging() -> None:
     """Trainer logs to stderr (stdout carries only the JSON progress lines)."""
     logger = logging.getLogger("lora_trainer")
-    if not any(getattr(h, "_lora_trainer", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler._lora_trainer = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
     logger.setLevel(logging.INFO)
     logger.propagate = False  # libraries (absl, Tunix) may configure the root logger; print once
 
