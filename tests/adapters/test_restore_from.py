@@ -48,3 +48,36 @@ def test_other_alpha_rescales_b_exactly(setup):
             # scale alpha/r doubles, so B halves: the product B @ A * alpha / r is unchanged.
             want = arr * np.float32(0.5) if name.endswith("_lora_b") else arr
             assert np.array_equal(doubled[path][name], want), f"{path}/{name}"
+
+
+@pytest.mark.slow
+def test_training_starts_from_a_peft_adapter(tiny_base, tmp_path):
+    """`lora.restoreFrom` of an adapter made by `peft`: the run starts from exactly its weights
+    (a learning rate of 1e-12 keeps one step from moving them visibly), and exports them back."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from lora_trainer.adapters.export import export_checkpoint
+    from lora_trainer.adapters.peft_format import WEIGHTS_NAME
+    from lora_trainer.config import TrainConfig
+    from lora_trainer.train import run_training
+
+    base = tiny_base("llama3")
+    adapter = make_peft_adapter(base, tmp_path / "peft", rank=4, alpha=8.0, seed=6)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": f"hello world {i}"}) + "\n" for i in range(4)))
+    cfg = TrainConfig.model_validate(
+        {
+            "model": {"source": str(base), "dtype": "float32"},
+            "dataset": {"train": str(tmp_path / "train.jsonl"), "format": "text", "maxSeqLen": 8},
+            "lora": {"rank": 4, "alpha": 8.0, "restoreFrom": str(adapter)},
+            "training": {"steps": 1, "globalBatchSize": 2, "learningRate": 1e-12, "schedule": "constant", "checkpointEvery": 1},
+            "output": {"uri": str(tmp_path / "run")},
+        }
+    )
+    root = str(run_training(cfg).checkpoint_root)
+    export_checkpoint(root, str(tmp_path / "back"))
+    original, again = load_file(str(adapter / WEIGHTS_NAME)), load_file(str(tmp_path / "back" / WEIGHTS_NAME))
+    assert sorted(original) == sorted(again)
+    for key, arr in original.items():
+        np.testing.assert_allclose(again[key], arr, rtol=1e-6, atol=1e-9, err_msg=key)
