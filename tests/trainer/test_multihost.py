@@ -1,0 +1,94 @@
+"""Multi-host: the pod environment -> jax.distributed arguments, the mesh, and a real two-process run."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+from trainer_fixtures import start_trainer, train_config, write_config
+
+from lora_trainer import checkpoint, exit_codes
+from lora_trainer.config import MeshSpec
+from lora_trainer.distributed import ClusterEnv, cluster_env, mesh_shape
+from lora_trainer.errors import UserError
+
+
+def test_cluster_env_from_pod_environment():
+    assert cluster_env({}) == ClusterEnv("single")
+    explicit = {"JAX_COORDINATOR_ADDRESS": "job-w-0-0.job:8476", "JAX_PROCESS_COUNT": "4", "JAX_PROCESS_ID": "3"}
+    assert cluster_env(explicit) == ClusterEnv("explicit", "job-w-0-0.job:8476", 4, 3)
+    # Process id from the JobSet job index and the Indexed Job completion index (2 slices x 2 hosts).
+    derived = {**explicit, "LORA_JOB_INDEX": "1", "LORA_HOSTS_PER_SLICE": "2", "JOB_COMPLETION_INDEX": "1"}
+    del derived["JAX_PROCESS_ID"]
+    assert cluster_env(derived).process_id == 3
+    # GKE TPU: JAX's own detection reads TPU_WORKER_* / MEGASCALE_*; one host is a single process.
+    assert cluster_env({"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "h0,h1"}) == ClusterEnv("tpu", None, 2, 1)
+    assert cluster_env({"TPU_WORKER_ID": "0", "TPU_WORKER_HOSTNAMES": "h0", "MEGASCALE_NUM_SLICES": "2"}).process_count == 2
+    assert cluster_env({"TPU_WORKER_ID": "0", "TPU_WORKER_HOSTNAMES": "h0"}) == ClusterEnv("single")
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"JAX_COORDINATOR_ADDRESS": "h:1"}, "JAX_PROCESS_COUNT"),
+        ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_COUNT": "2"}, "JOB_COMPLETION_INDEX"),
+        ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_ID": "2"}, r"outside 0\.\.1"),
+        ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_COUNT": "two", "JAX_PROCESS_ID": "0"}, "not an integer"),
+    ],
+)
+def test_bad_cluster_env_is_a_user_error(env, match):
+    with pytest.raises(UserError, match=match):
+        cluster_env(env)
+
+
+def test_mesh_shape():
+    assert mesh_shape(MeshSpec(), 8) == (1, 8, 1)
+    assert mesh_shape(MeshSpec(tp=2), 8) == (1, 4, 2)
+    assert mesh_shape(MeshSpec(fsdp=2, tp=2), 8) == (2, 2, 2)
+    with pytest.raises(UserError, match="tp=3"):
+        mesh_shape(MeshSpec(tp=3), 8)
+    with pytest.raises(UserError, match="fsdp \\* tp = 6"):
+        mesh_shape(MeshSpec(fsdp=3, tp=2), 8)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tmp_path):
+    base = train_config(tmp_path, "", steps=5, checkpointEvery=5)
+    one = write_config(tmp_path / "one.json", {**base, "output": {"uri": str(tmp_path / "one")}})
+    two = write_config(tmp_path / "two.json", {**base, "output": {"uri": str(tmp_path / "two")}})
+    cpu = {"JAX_PLATFORMS": "cpu"}
+
+    single = start_trainer(one, tmp_path / "one.log", JAX_NUM_CPU_DEVICES="2", **cpu)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    common = {"JAX_COORDINATOR_ADDRESS": coordinator, "JAX_PROCESS_COUNT": "2", "JAX_NUM_CPU_DEVICES": "1", **cpu}
+    procs = [
+        start_trainer(two, tmp_path / "p0.log", JAX_PROCESS_ID="0", **common),
+        # The second host finds its id the way a JobSet pod does: job index * hosts per slice + completion index.
+        start_trainer(two, tmp_path / "p1.log", LORA_JOB_INDEX="0", LORA_HOSTS_PER_SLICE="2", JOB_COMPLETION_INDEX="1", **common),
+    ]
+    try:
+        codes = [p.wait(timeout=400) for p in [single, *procs]]
+    finally:
+        for p in [single, *procs]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = {name: (tmp_path / f"{name}.log").read_text()[-3000:] for name in ("one", "p0", "p1")}
+    assert codes == [exit_codes.OK] * 3, logs
+    assert "joining a 2-process run as process 1" in logs["p1"]
+    assert '"step": 5' in logs["p0"] and '"step"' not in logs["p1"]  # progress from process 0 only
+
+    a, meta_a = checkpoint.read_lora(str(tmp_path / "one" / "checkpoints"))
+    b, meta_b = checkpoint.read_lora(str(tmp_path / "two" / "checkpoints"))
+    assert meta_a["step"] == meta_b["step"] == 5
+    diff = max(float(np.max(np.abs(a[m][n] - b[m][n]))) for m in a for n in a[m])
+    moved = max(float(np.max(np.abs(a[m][n]))) for m in a for n in a[m] if n.endswith("_b"))
+    assert moved > 1e-3  # B starts at zero: training moved it
+    assert diff <= 1e-6, diff
