@@ -2,7 +2,7 @@
 
 import pytest
 
-from lora_operator.settings import OperatorSettings, SettingsError, load_settings
+from lora_operator.settings import SettingsError, load_settings
 
 
 def test_defaults_match_the_documented_contract():
