@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from k8s_harness import Harness, Rejected
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def lft(name: str, output: str | None = None, **spec: Any) -> dict[str, Any]:
