@@ -9,8 +9,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # hf_side is a helper module beside the tests
 
-FAMILIES = ("llama3", "qwen3", "qwen2", "gemma3")
-
 
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory):

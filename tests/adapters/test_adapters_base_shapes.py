@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import FAMILIES
+from hf_side import FAMILIES
 
 from lora_trainer.adapters.base_model import base_shapes
 from lora_trainer.lora import targetable_modules

@@ -8,8 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import FAMILIES
-from hf_side import TOKENS, hf_logits, make_peft_adapter
+from hf_side import FAMILIES, TOKENS, hf_logits, make_peft_adapter
 from safetensors.numpy import load_file
 
 from lora_trainer.adapters.convert import convert

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FAMILIES
-from hf_side import TOKENS, hf_logits
+from hf_side import FAMILIES, TOKENS, hf_logits
 from safetensors.numpy import load_file
 
 from lora_trainer.adapters.export import export_checkpoint
