@@ -79,7 +79,25 @@ _RESOURCE_VERSIONS = itertools.count(1)
 _SERVING: contextvars.ContextVar[kmock.Request | None] = contextvars.ContextVar("serving", default=None)
 
 
-class ApiServerEmulator(kmock.KubernetesEmulator):
+class _DirectDispatch(kmock.RawHandler):
+    """Serves Kubernetes resource requests with the emulator's own fallback reaction for the action,
+    skipping KMock's generic matching of every request against every reaction (milliseconds each,
+    which made the emulator, not the operator, the bottleneck of the 200-CR benchmark)."""
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and request.resource.plural and request.action is not None:
+            served = {
+                kmock.action.LIST: self._serve_list, kmock.action.WATCH: self._serve_watch,  # type: ignore[attr-defined]
+                kmock.action.FETCH: self._serve_fetch, kmock.action.CREATE: self._serve_create,  # type: ignore[attr-defined]
+                kmock.action.UPDATE: self._serve_update, kmock.action.DELETE: self._serve_delete,  # type: ignore[attr-defined]
+            }[request.action]
+            for reaction in self._payloads:
+                if getattr(reaction.response.payload, "__func__", None) is served.__func__:
+                    return await reaction.response(request)
+        return await super()._handle(request)
+
+
+class ApiServerEmulator(kmock.KubernetesEmulator, _DirectDispatch):
     """KMock plus what kopf relies on from a real API server: a fresh `resourceVersion` on every
     write (kopf uses it to tell its own patches from stale watch events, and as a JSON-patch
     `test` for optimistic concurrency, answered 422 when stale), `generateName`, and `uid`,
