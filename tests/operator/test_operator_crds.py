@@ -194,7 +194,10 @@ def test_spec_is_immutable_except_suspend():
     assert validate("lorafinetunes", suspended, old=old)[1] == []
     for patch in ({"spec": {"lora": {"rank": 8}}}, {"spec": {"tpu": {"slices": 4}}}, {"spec": {"image": "x"}}):
         _, errors = validate("lorafinetunes", _merge(old, patch), old=old)
-        assert any("immutable" in e for e in errors), patch
+        assert any("immutable" in e or "cannot change" in e for e in errors), patch
+    # Adding or removing a whole optional field is caught at the spec level.
+    added = _merge(old, {"spec": {"queueName": "late-queue"}})
+    assert any("immutable" in e for e in validate("lorafinetunes", added, old=old)[1])
     dropped = copy.deepcopy(old)
     del dropped["spec"]["tpu"]["topology"]
-    assert any("immutable" in e for e in validate("lorafinetunes", dropped, old=old)[1])
+    assert any("spec.tpu cannot change" in e for e in validate("lorafinetunes", dropped, old=old)[1])
