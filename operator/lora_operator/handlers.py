@@ -37,6 +37,7 @@ from lora_operator.render import (
     tpu_summary,
 )
 from lora_operator.settings import OperatorSettings
+from lora_operator.tpu import SliceShape
 
 LFT = "lorafinetunes"
 ADC = "adapterconversions"
@@ -68,7 +69,8 @@ def _fail(body: dict[str, Any], patch: kopf.Patch, status: dict[str, Any], reaso
 
 
 def _check_secret(kube: Kube, namespace: str, spec: LoraFinetuneSpec) -> None:
-    """Raise InvalidSpec-like TemporaryError text when the referenced Secret or key is missing."""
+    """Existence only (the data is never read out): a missing Secret or key is a TemporaryError
+    naming the field and the fix, retried until someone creates it."""
     ref = spec.hf_token_secret_ref
     if ref is None:
         return
@@ -81,6 +83,19 @@ def _check_secret(kube: Kube, namespace: str, spec: LoraFinetuneSpec) -> None:
             f"or fix hfTokenSecretRef; retrying every {SECRET_RETRY_SECONDS}s",
             delay=SECRET_RETRY_SECONDS,
         )
+
+
+def _initial_status(spec: LoraFinetuneSpec, shape: SliceShape, names: ChildNames, status: dict[str, Any],
+                    generation: int | None) -> dict[str, Any]:
+    """Pending (or Suspended) with the JobSet name, TPU shape and step counter, before any JobSet news."""
+    obs = (st.Observation("Suspended", "Suspended", "created suspended; set spec.suspend to false to start")
+           if spec.suspend else st.Observation("Pending", "JobSetCreated", f"created JobSet {names.jobset}; waiting for TPU pods"))
+    now = st.now_rfc3339()
+    conditions = list(status.get("conditions") or [])
+    if spec.hf_token_secret_ref is not None:
+        conditions = st.set_condition(conditions, "SecretsResolved", "True", "SecretFound", "hfTokenSecretRef resolved", generation, now)
+    return st.status_patch({"conditions": conditions}, obs, generation, now, progress=f"0/{spec.training.steps}",
+                           jobSetName=names.jobset, tpu=tpu_summary(shape, spec.tpu.slices), totalSteps=spec.training.steps)
 
 
 def lft_reconcile(
@@ -109,18 +124,9 @@ def lft_reconcile(
         raise
     names = ChildNames.of(meta["name"])
     fresh = not status.get("jobSetName")
-    if fresh:
-        # Written before the children exist, so every later JobSet-driven status write lands after it.
-        obs = (st.Observation("Suspended", "Suspended", "created suspended; set spec.suspend to false to start")
-               if spec.suspend else st.Observation("Pending", "JobSetCreated", f"created JobSet {names.jobset}; waiting for TPU pods"))
-        conditions = list(status.get("conditions") or [])
-        if spec.hf_token_secret_ref is not None:
-            conditions = st.set_condition(conditions, "SecretsResolved", "True", "SecretFound", "hfTokenSecretRef resolved",
-                                          generation, st.now_rfc3339())
-        new_status = st.status_patch({"conditions": conditions}, obs, generation, st.now_rfc3339(),
-                                     progress=f"0/{spec.training.steps}", jobSetName=names.jobset,
-                                     tpu=tpu_summary(shape, spec.tpu.slices), totalSteps=spec.training.steps)
-        kube.merge_patch(API_VERSION, "LoraFinetune", meta["namespace"], meta["name"], {"status": new_status}, status=True)
+    if fresh:  # written before the children exist, so every JobSet-driven status write lands after it
+        kube.merge_patch(API_VERSION, "LoraFinetune", meta["namespace"], meta["name"],
+                         {"status": _initial_status(spec, shape, names, dict(status), generation)}, status=True)
     try:
         for m in manifests:
             kube.create_or_adopt(m)
