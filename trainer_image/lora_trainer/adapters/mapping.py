@@ -87,10 +87,8 @@ def peft_to_lora_tree(
                     "not fit this base model"
                 )
         a, b = target.from_peft(peft_a, peft_b, weight_shape)
-        tree[path] = {
-            f"{target.weight_name}_lora_a": np.ascontiguousarray(a),
-            f"{target.weight_name}_lora_b": np.ascontiguousarray(b),
-        }
+        # Views, not copies: Orbax and device_put copy them anyway.
+        tree[path] = {f"{target.weight_name}_lora_a": a, f"{target.weight_name}_lora_b": b}
     return tree
 
 
