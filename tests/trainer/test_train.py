@@ -13,6 +13,7 @@ from trainer_fixtures import arithmetic_rows, parse, tiny_llama, train_config, w
 
 from lora_trainer import checkpoint, data, schedule
 from lora_trainer.config import DatasetSpec, LoraSpec, TrainingSpec
+from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora, lora_state
 from lora_trainer.models import load_model
 from lora_trainer.progress import format_eta, progress_record
@@ -123,3 +124,29 @@ def test_run_writes_checkpoints_metrics_progress_and_tensorboard(tmp_path):
     assert [r["step"] for r in seen] == [1, 2, 3, 4, 5, 6] and seen[-1]["loss"] == progress["loss"]
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
     assert result.final_loss == pytest.approx(progress["loss"]) and result.eval_loss is not None
+
+
+@pytest.mark.slow
+def test_restore_from_an_orbax_adapter(tmp_path):
+    rng = np.random.default_rng(1)
+    src = train_config(tmp_path, str(tmp_path / "unused"))
+    loaded = load_model(str(tiny_llama()), dtype="float32")
+    applied = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0)
+    adapter = {p: {n: rng.standard_normal(np.shape(v)).astype(np.float32) * 0.01 for n, v in ps.items()} for p, ps in lora_state(applied.model).items()}
+    meta = {"family": "llama3", "baseModel": str(tiny_llama()), "rank": 4, "alpha": 8.0, "dropout": 0.0,
+            "targetModules": applied.target_regex, "quantization": None, "modulePaths": applied.module_paths}  # fmt: skip
+    checkpoint.write_lora(str(tmp_path / "adapter"), 0, adapter, meta)
+
+    # Alpha is not in the tensors, so it is checked against the adapter's metadata.
+    bad = {**src, "lora": {"rank": 4, "alpha": 16.0, "restoreFrom": str(tmp_path / "adapter")}, "output": {"uri": str(tmp_path / "bad")}}
+    with pytest.raises(UserError, match=r"trained with alpha 8\.0 but lora\.alpha is 16\.0"):
+        run_training(parse(bad))
+
+    # With a vanishing learning rate, one step leaves the restored adapter in place.
+    ok = {**src, "lora": {"rank": 4, "alpha": 8.0, "restoreFrom": str(tmp_path / "adapter")}, "output": {"uri": str(tmp_path / "ok")}}
+    ok["training"] = {**src["training"], "steps": 1, "learningRate": 1e-12, "warmupSteps": 0}
+    result = run_training(parse(ok))
+    got, _ = checkpoint.read_lora(result.checkpoint_root)
+    for p, ps in adapter.items():
+        for n, v in ps.items():
+            np.testing.assert_allclose(got[p][n], v, atol=1e-6)

@@ -278,6 +278,17 @@ def _restore_adapter(uri: str, base_source: str, family: str) -> tuple[dict[str,
     return checkpoint.read_lora(uri)
 
 
+def _check_restored(cfg: TrainConfig, meta: dict[str, Any]) -> None:
+    """Rank and alpha of a `restoreFrom` adapter must be the config's (alpha is not visible in the tensors)."""
+    for key, field in (("rank", "lora.rank"), ("alpha", "lora.alpha")):
+        want = getattr(cfg.lora, key)
+        if key in meta and float(meta[key]) != float(want):
+            raise UserError(
+                f"lora.restoreFrom {cfg.lora.restore_from} was trained with {key} {meta[key]} but {field} is {want}; "
+                f"set {field} to {meta[key]}"
+            )
+
+
 def _seq_len(seqs: list[data.Sequence], max_seq_len: int) -> int:
     """Pad every batch to one length (one compilation): the longest sequence, rounded up to 8, capped."""
     longest = max(len(s.tokens) for s in seqs)
@@ -378,16 +389,14 @@ class _Run:
                 process_count=jax.process_count(),
             )
 
+        restored = None
+        if resume_step is None and cfg.lora.restore_from:
+            restored = _restore_adapter(cfg.lora.restore_from, cfg.model.source, loaded.family.name)
+            _check_restored(cfg, restored[1])
         applied = apply_lora(loaded.model, cfg.lora, loaded.family, seed=t.seed, batch_shape=(1, 8))
         self.metadata["modulePaths"] = applied.module_paths
-        if resume_step is None and cfg.lora.restore_from:
-            tree, meta = _restore_adapter(cfg.lora.restore_from, cfg.model.source, loaded.family.name)
-            if float(meta.get("alpha", cfg.lora.alpha)) != cfg.lora.alpha:
-                raise UserError(
-                    f"lora.restoreFrom {cfg.lora.restore_from} was trained with alpha {meta['alpha']} but lora.alpha is "
-                    f"{cfg.lora.alpha}; set lora.alpha to {meta['alpha']}"
-                )
-            set_lora_state(applied.model, tree)
+        if restored is not None:
+            set_lora_state(applied.model, restored[0])  # module or shape mismatches are a UserError listing them
             log.info("starting from the adapter in %s", cfg.lora.restore_from)
 
         trainer = make_trainer(applied.model, t)
