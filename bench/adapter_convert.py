@@ -239,9 +239,10 @@ Targets: within 3x of `cp` and faster than PEFT's load+save (the model path). {"
 Convert includes reading and validating every tensor (finite, ranks, shapes against the
 base's config.json) and Orbax's committed write; export includes Orbax's read, the same
 checks and the safetensors write. The PEFT "weights only" path does no validation and no
-layout mapping. Orbax's own write of the same tree takes {r['orbax_write_s'] / r['convert_s']:.0%} of
-convert's time and its read {r['orbax_read_s'] / r['export_s']:.0%} of export's: the checkpoint format, not the
-mapping or the checks, sets the pace.
+layout mapping. Orbax's own write of the same tree, timed alone, is {r['orbax_write_s'] / r['convert_s']:.0%} of
+convert's time, and its read {r['orbax_read_s'] / r['export_s']:.0%} of export's; the rest is reading,
+checking and mapping the tensors and writing safetensors. This 2-CPU machine was shared with
+other work during the run, so single figures vary by 2x or more between runs.
 """
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     if SECTION in text:
