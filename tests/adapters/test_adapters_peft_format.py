@@ -76,6 +76,7 @@ def test_rslora_is_folded_into_alpha(tmp_path):
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"rank_pattern": {"q_proj": 8}}, "per-module ranks"),
         ({"r": 0}, "r must be a positive integer"),
+        ({"lora_dropout": "0.1"}, r"lora_dropout must be a number in \[0, 1\)"),
     ],
 )
 def test_features_plain_lora_cannot_express_are_refused(tmp_path, override, message):

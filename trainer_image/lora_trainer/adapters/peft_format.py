@@ -123,6 +123,8 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> LoraHyper:
         # PEFT scales rsLoRA by alpha / sqrt(r); an alpha of alpha * sqrt(r) gives the same scale under alpha / r.
         alpha = alpha * math.sqrt(r)
     dropout = raw.get("lora_dropout", 0.0) or 0.0
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+        raise _config_error(path, f"lora_dropout must be a number in [0, 1), got {dropout!r}")
     targets = raw.get("target_modules") or ()
     if isinstance(targets, str):  # PEFT allows one regex; the tensors say which modules it matched.
         targets = ()
