@@ -9,7 +9,7 @@ import pytest
 
 from lora_trainer import checkpoint as ckpt
 from lora_trainer import storage
-from lora_trainer.errors import UserError
+from lora_trainer.errors import RetriableError, UserError
 
 META = {
     "family": "llama3",
@@ -82,6 +82,18 @@ def test_local_half_written_step_is_invisible(tmp_path):
     assert ckpt.committed_steps(str(root)) == [2]
     assert ckpt.latest_committed_step(str(root)) == 2
     assert ckpt.read_lora(str(root))[1]["step"] == 2
+
+
+def test_storage_outages_are_retriable():
+    with pytest.raises(RetriableError, match="gs://b/run"):
+        with ckpt._storage_faults("gs://b/run"):
+            raise ValueError("Error writing gs://b/run/1/lora: UNAVAILABLE: HTTP response code: 503")
+    with pytest.raises(RetriableError):
+        with ckpt._storage_faults("/local"):
+            raise ConnectionResetError("reset")
+    with pytest.raises(ValueError, match="bad tree"):  # anything else is not retried
+        with ckpt._storage_faults("gs://b/run"):
+            raise ValueError("bad tree")
 
 
 def _sharded_targets(lora, opt):

@@ -50,15 +50,20 @@ def _path(uri: str) -> epath.Path:
     return epath.Path(uri if storage.is_gcs(uri) else storage.local_path(uri))
 
 
+#: Markers of a transient fault in errors TensorStore (ValueError) and gcsfs raise for gs:// I/O.
+_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "HTTP response code: 5", "HTTP response code: 429", "Connection reset", "timed out")
+
+
 @contextlib.contextmanager
 def _storage_faults(uri: str) -> Iterator[None]:
-    """Turn network faults under Orbax into RetriableError (the JobSet restarts, the run resumes)."""
+    """Turn storage outages under Orbax into RetriableError (the JobSet restarts, the run resumes)."""
     try:
         yield
     except (ConnectionError, TimeoutError) as e:
         raise RetriableError(f"storage fault while accessing checkpoints at {uri}: {e}") from e
     except Exception as e:
-        if type(e).__module__.startswith(("google.api_core", "google.auth", "aiohttp")):
+        transient = storage.is_gcs(uri) and any(m in str(e) for m in _TRANSIENT)
+        if transient or type(e).__module__.startswith(("google.api_core", "google.auth", "aiohttp")):
             raise RetriableError(f"storage fault while accessing checkpoints at {uri}: {e}") from e
         raise
 
