@@ -12,6 +12,7 @@ import pytest
 from hf_side import FAMILIES, TOKENS, hf_logits
 from safetensors.numpy import load_file
 
+from lora_trainer import cli, exit_codes
 from lora_trainer.adapters.export import export_checkpoint
 from lora_trainer.adapters.logits import jax_logits
 from lora_trainer.adapters.merge import INDEX_FILE
@@ -52,7 +53,7 @@ def exported(request, tiny_base, tmp_path_factory):
     root = _train(base, tmp)
     assert latest_committed_step(root) == STEPS
     export_checkpoint(root, str(tmp / "hf-adapter"))
-    export_checkpoint(root, str(tmp / "merged"), merged=True)
+    assert cli.main(["export", "--checkpoint", root, "--out", str(tmp / "merged"), "--merged"]) == exit_codes.OK
     return family, base, root, tmp / "hf-adapter", tmp / "merged", jax_logits(str(base), TOKENS, adapter=root)
 
 
