@@ -43,7 +43,7 @@ def lora_tree_to_peft(tree: Mapping[str, Mapping[str, Any]], family: FamilySpec)
         if set(params) != set(names):
             raise UserError(f"the checkpoint's LoRA parameters for {path!r} are {sorted(params)}, expected {list(names)}")
         a, b = target.to_peft(np.asarray(params[names[0]]), np.asarray(params[names[1]]))
-        modules[expand(target.hf, layer)] = (np.ascontiguousarray(a), np.ascontiguousarray(b))
+        modules[expand(target.hf, layer)] = (a, b)  # transposed views; safetensors writes them in C order
     return modules
 
 

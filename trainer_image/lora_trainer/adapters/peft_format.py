@@ -237,7 +237,7 @@ def write_peft_adapter(directory: Path, adapter: PeftLoraAdapter) -> None:
     """Write `adapter_config.json` and `adapter_model.safetensors` into an existing local directory."""
     tensors: dict[str, np.ndarray] = {}
     for module, (a, b) in sorted(adapter.modules.items()):
-        tensors[f"{KEY_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(a)
-        tensors[f"{KEY_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b)
+        tensors[f"{KEY_PREFIX}{module}.lora_A.weight"] = a  # `save_file` serialises any layout in C order
+        tensors[f"{KEY_PREFIX}{module}.lora_B.weight"] = b
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
     (directory / CONFIG_NAME).write_text(json.dumps(config_json(adapter.hyper), indent=2, sort_keys=True) + "\n")
