@@ -1,5 +1,7 @@
 """Storage: outputs appear whole or not at all; missing inputs name themselves."""
 
+import os
+
 import pytest
 
 from lora_trainer import storage
@@ -18,6 +20,9 @@ def test_staged_output_publishes_only_on_success(tmp_path):
     with storage.staged_output_dir(str(out)) as stage:
         (stage / "adapter_config.json").write_text('{"r": 8}')
     assert (out / "adapter_config.json").read_text() == '{"r": 8}'
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # readable like any directory, not mkdtemp's 0700
 
     # Republishing replaces the old output whole.
     with storage.staged_output_dir(str(out)) as stage:

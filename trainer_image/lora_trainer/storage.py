@@ -241,6 +241,10 @@ def staged_output_dir(uri: str) -> Iterator[Path]:
     dest = local_path(uri)
     dest.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
+    # mkdtemp makes the directory 0700; the published output gets the usual umask-derived mode.
+    umask = os.umask(0)
+    os.umask(umask)
+    stage.chmod(0o777 & ~umask)
     try:
         yield stage
     except BaseException:
