@@ -150,8 +150,8 @@ def lft_suspend(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, new: Any,
         raise
     # The phase comes from the patched JobSet, as in jobset_event, so that whichever of the two
     # writes last, they agree.
-    obs = st.observe_jobset(jobset)
-    if not suspend and obs.phase == "Pending":
+    obs = st.observe_jobset(jobset, requested_suspend=suspend)
+    if not suspend and obs.phase == "Pending" and obs.reason != "WaitingForAdmission":
         obs = st.Observation("Pending", "Resumed", "resumed; waiting for TPU pods (training continues from the last checkpoint)", obs.restarts)
     patch.status.update(st.status_patch(dict(status), obs, meta.get("generation"), st.now_rfc3339()))
     _event("Normal", dict(body), reason="Suspended" if suspend else "Resumed",
@@ -206,7 +206,7 @@ def jobset_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -
     cr = _owner_cr(kube, dict(body), "LoraFinetune", LFT_LABEL)
     if cr is None or (cr.get("status") or {}).get("phase") in (*st.TERMINAL, "Exporting"):
         return
-    obs = st.observe_jobset(dict(body))
+    obs = st.observe_jobset(dict(body), requested_suspend=bool((cr.get("spec") or {}).get("suspend")))
     if obs.phase == "Exporting":
         _start_export(kube, cr, memo.settings, obs)
         return
@@ -265,16 +265,22 @@ def adc_reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: 
     try:
         spec = parse_spec(AdapterConversionSpec, dict(body))
         job = render_conversion_job(Owner.from_body(dict(body)), spec, memo.settings)
-        memo.kube.create_or_adopt(job)
-    except (InvalidSpec, NotOwned) as e:
-        _fail(dict(body), patch, dict(status), "InvalidSpec" if isinstance(e, InvalidSpec) else "NameConflict", str(e), generation)
-        return
-    if status.get("phase"):
+    except InvalidSpec as e:
+        _fail(dict(body), patch, dict(status), "InvalidSpec", str(e), generation)
         return
     name = conversion_job_name(meta["name"])
-    obs = st.Observation("Pending", "JobCreated", f"created conversion Job {name}")
-    patch.status.update(st.status_patch({}, obs, generation, st.now_rfc3339(), jobName=name))
-    _event("Normal", dict(body), reason="Created", message=obs.message)
+    fresh = not status.get("jobName")
+    if fresh:  # before the Job exists, so the Job watcher's writes land after it
+        obs = st.Observation("Pending", "JobCreated", f"created conversion Job {name}")
+        memo.kube.merge_patch(API_VERSION, "AdapterConversion", meta["namespace"], meta["name"],
+                              {"status": st.status_patch({}, obs, generation, st.now_rfc3339(), jobName=name)}, status=True)
+    try:
+        memo.kube.create_or_adopt(job)
+    except NotOwned as e:
+        _fail(dict(body), patch, dict(status), "NameConflict", str(e), generation)
+        return
+    if fresh:
+        _event("Normal", dict(body), reason="Created", message=f"created conversion Job {name}")
 
 
 def conversion_job_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:

@@ -42,8 +42,11 @@ def _true_condition(status: dict[str, Any], ctype: str) -> dict[str, Any] | None
     return None
 
 
-def observe_jobset(jobset: dict[str, Any]) -> Observation:
-    """Phase of a LoraFinetune from its JobSet (before export; `Completed` means training finished)."""
+def observe_jobset(jobset: dict[str, Any], *, requested_suspend: bool = False) -> Observation:
+    """Phase of a LoraFinetune from its JobSet (before export; `Completed` means training finished).
+
+    A suspended JobSet whose LoraFinetune did not ask for it (`requested_suspend`) is waiting for
+    Kueue, whose webhook keeps queued JobSets suspended until admission: that is Pending, not Suspended."""
     status = jobset.get("status") or {}
     name = jobset.get("metadata", {}).get("name", "")
     restarts = int(status.get("restarts") or 0)
@@ -63,7 +66,12 @@ def observe_jobset(jobset: dict[str, Any]) -> Observation:
         return Observation("Exporting", "TrainingCompleted", "training finished; exporting the adapter", restarts,
                            completion_time=c.get("lastTransitionTime"))
     if (jobset.get("spec") or {}).get("suspend") or _true_condition(status, "Suspended"):
-        return Observation("Suspended", "Suspended", "the JobSet is suspended; set spec.suspend to false to resume from the last checkpoint", restarts)
+        if requested_suspend:
+            return Observation("Suspended", "Suspended", "the JobSet is suspended; set spec.suspend to false to resume from the last checkpoint", restarts)
+        queue = (jobset.get("metadata", {}).get("labels") or {}).get("kueue.x-k8s.io/queue-name")
+        where = f"LocalQueue {queue}" if queue else "its queue"
+        return Observation("Pending", "WaitingForAdmission",
+                           f"the JobSet is suspended until Kueue admits it from {where}; check `kubectl get workloads` for quota", restarts)
     jobs = status.get("replicatedJobsStatus") or []
     if any((j.get("active") or 0) + (j.get("ready") or 0) > 0 for j in jobs):
         return Observation("Running", "TrainingRunning", "trainer pods are running", restarts)

@@ -19,7 +19,12 @@ def test_jobset_phases():
     assert st.observe_jobset(jobset()).phase == "Pending"
     running = st.observe_jobset(jobset({"replicatedJobsStatus": [{"name": "slice", "active": 2}], "restarts": 2}))
     assert (running.phase, running.restarts) == ("Running", 2)
-    assert st.observe_jobset(jobset({"replicatedJobsStatus": [{"active": 2}]}, suspend=True)).phase == "Suspended"
+    suspended = jobset({"replicatedJobsStatus": [{"active": 0, "suspended": 2}]}, suspend=True)
+    assert st.observe_jobset(suspended, requested_suspend=True).phase == "Suspended"
+    # Suspended by Kueue until admission, not by the user: still Pending, and the message says why.
+    suspended["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "tpu-q"}
+    queued = st.observe_jobset(suspended)
+    assert (queued.phase, queued.reason) == ("Pending", "WaitingForAdmission") and "LocalQueue tpu-q" in queued.message
     done = st.observe_jobset(jobset({"conditions": [{"type": "Completed", "status": "True", "lastTransitionTime": NOW}]}))
     assert (done.phase, done.completion_time) == ("Exporting", NOW)
     failed = st.observe_jobset(jobset({"conditions": [{"type": "Failed", "status": "True", "reason": "ReachedMaxRestarts",
