@@ -170,6 +170,19 @@ def lft_progress(spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch, **_: A
         patch.status.update(changed)
 
 
+def lft_resync(body: kopf.Body, status: kopf.Status, memo: kopf.Memo, **_: Any) -> None:
+    """Timer while Pending/Running/Exporting: re-read the JobSet or export Jobs. Event handlers are
+    not retried by kopf, so a transient failure there would otherwise strand the run until the next
+    change of its children."""
+    cr = dict(body)
+    if status.get("phase") == "Exporting":
+        _sync_export(memo.kube, cr)
+        return
+    jobset = memo.kube.get(JOBSET_API, "JobSet", cr["metadata"]["namespace"], status["jobSetName"])
+    if jobset is not None and jobset.get("status"):
+        _sync_jobset(memo.kube, memo.settings, cr, jobset)
+
+
 def _owner_cr(kube: Kube, child: dict[str, Any], kind: str, label: str) -> dict[str, Any] | None:
     """The CR a child belongs to, only if the child's controller reference points at it."""
     name = st.owner_name(child, label)
@@ -202,13 +215,17 @@ def jobset_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -
     """An owned JobSet changed: map its status onto the LoraFinetune; on completion start the export."""
     if type == "DELETED":
         return
-    kube: Kube = memo.kube
-    cr = _owner_cr(kube, dict(body), "LoraFinetune", LFT_LABEL)
-    if cr is None or (cr.get("status") or {}).get("phase") in (*st.TERMINAL, "Exporting"):
+    cr = _owner_cr(memo.kube, dict(body), "LoraFinetune", LFT_LABEL)
+    if cr is not None:
+        _sync_jobset(memo.kube, memo.settings, cr, dict(body))
+
+
+def _sync_jobset(kube: Kube, settings: OperatorSettings, cr: dict[str, Any], jobset: dict[str, Any]) -> None:
+    if (cr.get("status") or {}).get("phase") in (*st.TERMINAL, "Exporting"):
         return
-    obs = st.observe_jobset(dict(body), requested_suspend=bool((cr.get("spec") or {}).get("suspend")))
+    obs = st.observe_jobset(jobset, requested_suspend=bool((cr.get("spec") or {}).get("suspend")))
     if obs.phase == "Exporting":
-        _start_export(kube, cr, memo.settings, obs)
+        _start_export(kube, cr, settings, obs)
         return
     _write_status(kube, cr, obs)
 
@@ -233,9 +250,13 @@ def export_job_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: An
     """An export Job changed: Exporting -> Succeeded (adapterUri) or Failed (ExportFailed)."""
     if type == "DELETED":
         return
-    kube: Kube = memo.kube
-    cr = _owner_cr(kube, dict(body), "LoraFinetune", LFT_LABEL)
-    if cr is None or (cr.get("status") or {}).get("phase") != "Exporting":
+    cr = _owner_cr(memo.kube, dict(body), "LoraFinetune", LFT_LABEL)
+    if cr is not None:
+        _sync_export(memo.kube, cr)
+
+
+def _sync_export(kube: Kube, cr: dict[str, Any]) -> None:
+    if (cr.get("status") or {}).get("phase") != "Exporting":
         return
     spec = parse_spec(LoraFinetuneSpec, cr)
     names = ChildNames.of(cr["metadata"]["name"])
@@ -306,6 +327,10 @@ def _has_status(body: kopf.Body, **_: Any) -> bool:
     return bool(body.get("status"))
 
 
+def _in_flight(status: kopf.Status, **_: Any) -> bool:
+    return status.get("phase") in ("Pending", "Running", "Exporting") and bool(status.get("jobSetName"))
+
+
 def _running(status: kopf.Status, **_: Any) -> bool:
     return status.get("phase") == "Running"
 
@@ -319,6 +344,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         decorator(GROUP, VERSION, ADC, registry=registry, id="reconcile")(adc_reconcile)
     kopf.on.update(GROUP, VERSION, LFT, field="spec.suspend", registry=registry, id="suspend")(lft_suspend)
     kopf.timer(GROUP, VERSION, LFT, interval=settings.progress_poll_seconds, when=_running, registry=registry, id="progress")(lft_progress)
+    kopf.timer(GROUP, VERSION, LFT, interval=settings.progress_poll_seconds, when=_in_flight, registry=registry, id="resync")(lft_resync)
     kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LFT_LABEL: kopf.PRESENT}, when=_has_status,
                   registry=registry)(jobset_event)
     kopf.on.event("batch", "v1", "jobs", labels={LFT_LABEL: kopf.PRESENT, COMPONENT_LABEL: "export"}, registry=registry)(export_job_event)

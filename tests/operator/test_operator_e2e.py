@@ -44,7 +44,7 @@ async def test_create_makes_jobset_and_configmap_once(h):
     assert json.loads(cm["data"]["config.json"])["training"]["steps"] == 100
     assert [o["metadata"]["name"] for o in await h.list("JobSet")] == ["run-a"]
     assert [o["metadata"]["name"] for o in await h.list("ConfigMap")] == ["run-a-config"]
-    assert any(e["reason"] == "Created" for e in await h.events_for("run-a"))
+    await h.wait_for(lambda: _has_event(h, "run-a", "Created"), what="Created event")
     # kopf's bookkeeping is in annotations, not in the (pruned) status.
     assert set(st["status"]) <= {"phase", "conditions", "observedGeneration", "jobSetName", "tpu", "totalSteps", "progress", "restarts"}
 
@@ -259,3 +259,15 @@ async def test_rbac_usage_is_recorded(tmp_path, monkeypatch):
     rows = json.loads(usage.read_text())
     assert {"verb": "create", "apiGroup": "jobset.x-k8s.io", "resource": "jobsets"} in rows
     assert not any(r["resource"] == "secrets" and r["verb"] != "get" for r in rows)
+
+
+async def test_missed_jobset_event_is_caught_by_the_resync_timer(h):
+    """kopf does not retry event handlers; the resync timer re-reads the JobSet of in-flight runs."""
+    await h.create(lft("run-s"))
+    await h.wait_for_status("LoraFinetune", "run-s", _phase("Pending"))
+    await h.wait_for(lambda: h.get("JobSet", "run-s"), what="JobSet")
+    # Change the stored JobSet without a watch event, as if the operator had missed it.
+    h.emulator.objects["jobset.x-k8s.io/v1alpha2/jobsets", "default", "run-s"].patch(
+        {"status": {"restarts": 0, "replicatedJobsStatus": [{"name": "slice", "active": 2, "ready": 2}]}}
+    )
+    await h.wait_for_status("LoraFinetune", "run-s", _phase("Running"))
