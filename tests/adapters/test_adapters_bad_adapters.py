@@ -114,10 +114,3 @@ def test_diverged_checkpoint_is_not_exported(good, tmp_path):
     with pytest.raises(UserError, match="layers/0/attn/v_proj/w_lora_b of step 5 holds NaN or Inf"):
         export_checkpoint(str(tmp_path / "diverged"), str(out_parent / "hf"))
     assert list(out_parent.iterdir()) == []
-
-
-def test_hub_base_is_refused_with_the_fix(good, tmp_path):
-    _, adapter = good
-    with pytest.raises(UserError, match="does not download from a model hub"):
-        convert("hf-peft", "orbax", str(adapter), str(tmp_path / "o"), base="hf://meta-llama/Llama-3.1-8B")
-

@@ -304,6 +304,21 @@ def test_bad_checkpoints_name_the_file_or_key(tmp_path: Path, tiny_dirs: dict[st
         load_model(str(unsupported))
 
 
+def test_loads_from_a_hub_uri(tiny_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hf://ORG/NAME` goes through huggingface_hub (offline here: its cache holds the repo)."""
+    from hf_cache import publish_to_hub_cache
+
+    monkeypatch.setenv("LORA_TRAINER_MODEL_CACHE", str(tmp_path / "models"))
+    uri = publish_to_hub_cache(tiny_dirs["qwen2"], "acme/tiny-qwen2")
+    loaded = load_model(uri)
+    assert loaded.family.name == "qwen2"
+    tokens = _tokens()
+    np.testing.assert_array_equal(
+        np.asarray(forward_logits(loaded.model, tokens)),
+        np.asarray(forward_logits(load_model(str(tiny_dirs["qwen2"])).model, tokens)),
+    )
+
+
 def test_loads_from_gcs(gcs_bucket: str, tiny_dirs: dict[str, Path]) -> None:
     from lora_trainer import storage
 
@@ -362,8 +377,6 @@ def test_load_onto_a_two_device_mesh(tiny_dirs: dict[str, Path]) -> None:
 
 
 def test_sources_and_tokens_are_checked(tiny_dirs: dict[str, Path]) -> None:
-    with pytest.raises(UserError, match="does not download from a model hub"):
-        load_model("hf://meta-llama/Llama-3.1-8B")
     loaded = load_model(f"file://{tiny_dirs['qwen2']}")
     with pytest.raises(UserError, match=r"token ids must be in \[0, 271\]"):
         forward_logits(loaded.model, np.array([[1, 272]], dtype=np.int32))

@@ -53,3 +53,26 @@ def test_join_and_listdir(tmp_path):
     (tmp_path / "a").write_text("")
     assert storage.listdir(str(tmp_path)) == ["a", "b"]
     assert storage.split_gcs("gs://bucket/a/b") == ("bucket", "a/b")
+
+
+def test_hf_uris_read_through_the_hub_cache(tmp_path):
+    from hf_cache import publish_to_hub_cache
+
+    from lora_trainer.errors import RetriableError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    (src / "model.safetensors").write_bytes(b"weights")
+    (src / "notes.bin").write_bytes(b"not a model file")
+    uri = publish_to_hub_cache(src, "acme/storage-test")
+
+    assert storage.read_text(f"{uri}/config.json") == '{"model_type": "llama"}'
+    with storage.local_dir(uri) as d:
+        assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]
+    assert storage.split_hf("hf://org/name@v1.0/sub/f.json") == ("org/name", "v1.0", "sub/f.json")
+    with pytest.raises(UserError, match="hf://ORG/NAME"):
+        storage.split_hf("hf://just-a-name")
+    # Offline and not cached: the hub is unreachable, which a restart may fix.
+    with pytest.raises(RetriableError, match="hf://acme/absent"):
+        storage.read_text("hf://acme/absent/config.json")

@@ -7,13 +7,17 @@ turns storage faults into the exit-code table (missing things are the user's to 
 outages are retriable).
 
 `gs://` goes through google-cloud-storage, which honours `STORAGE_EMULATOR_HOST` (tests
-point it at a gcp-storage-emulator on loopback). It is imported lazily so that a
-local-only run never needs credentials. Nothing here imports JAX.
+point it at a gcp-storage-emulator on loopback). `hf://ORG/NAME[@REVISION][/FILE]` is
+read-only and goes through huggingface_hub (token from `HF_TOKEN`, which the operator
+mounts from `spec.hfTokenSecretRef`; its cache honours `HF_HUB_CACHE`/`HF_HUB_OFFLINE`).
+Both clients are imported lazily so that a local-only run never needs credentials.
+Nothing here imports JAX.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import shutil
 import tempfile
@@ -26,11 +30,76 @@ from typing import Any
 from lora_trainer.errors import RetriableError, UserError
 
 GS = "gs://"
+HF = "hf://"
+#: What a base model needs from a hub repository: weights, configs, tokenizer files.
+HF_MODEL_FILES = ["*.safetensors", "*.json", "*.model", "*.txt", "*.jinja"]
 
 
 def is_gcs(uri: str) -> bool:
     """True for `gs://bucket/...` URIs."""
     return str(uri).startswith(GS)
+
+
+def is_hf(uri: str) -> bool:
+    """True for `hf://org/name...` URIs (read-only)."""
+    return str(uri).startswith(HF)
+
+
+def split_hf(uri: str) -> tuple[str, str | None, str]:
+    """`hf://org/name@rev/sub/file` -> ("org/name", "rev", "sub/file"); revision None means the default branch."""
+    parts = uri[len(HF) :].strip("/").split("/")
+    if len(parts) < 2 or not all(parts[:2]):
+        raise UserError(f"{uri!r} is not a hub repository: write hf://ORG/NAME (optionally @REVISION)")
+    name, _, revision = parts[1].partition("@")
+    return f"{parts[0]}/{name}", revision or None, "/".join(parts[2:])
+
+
+@contextlib.contextmanager
+def _hf_errors(uri: str) -> Iterator[None]:
+    """Map huggingface_hub failures onto the exit-code table, naming the URI."""
+    from huggingface_hub import errors as hf_errors
+
+    # LocalEntryNotFoundError subclasses EntryNotFoundError: test it first.
+    try:
+        yield
+    except hf_errors.LocalEntryNotFoundError as e:
+        raise RetriableError(
+            f"cannot download {uri}: the hub is unreachable and the files are not in the local cache ({e}); "
+            "retry, or copy the checkpoint to gs://BUCKET/PATH and use that URI"
+        ) from e
+    except (hf_errors.RepositoryNotFoundError, hf_errors.RevisionNotFoundError, hf_errors.EntryNotFoundError) as e:
+        raise UserError(
+            f"{uri} was not found on the hub (or is gated and no token was given): check the name and revision, "
+            "and set spec.hfTokenSecretRef to a Secret holding a token with access"
+        ) from e
+    except hf_errors.HfHubHTTPError as e:
+        raise RetriableError(f"hub error while downloading {uri}: {e}") from e
+
+
+def _hf_download(uri: str, dest: Path | None = None) -> Path:
+    """Download a hub file or (model files of a) repository; returns the local file or snapshot directory."""
+    import huggingface_hub
+
+    repo, revision, path = split_hf(uri)
+    with _hf_errors(uri):
+        if path:
+            return Path(huggingface_hub.hf_hub_download(repo, path, revision=revision))
+        # Through the hub cache (shared across runs, honours HF_HUB_OFFLINE), then copied if asked.
+        snapshot = Path(huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=HF_MODEL_FILES))
+    if dest is None:
+        return snapshot
+    # A cached snapshot may hold more than this download asked for; copy the model files only.
+    shutil.copytree(snapshot, dest, dirs_exist_ok=True, ignore=_not_model_files)
+    return dest
+
+
+def _not_model_files(directory: str, names: list[str]) -> list[str]:
+    """copytree filter: skip files that no HF_MODEL_FILES pattern matches."""
+    return [
+        n
+        for n in names
+        if os.path.isfile(os.path.join(directory, n)) and not any(fnmatch.fnmatch(n, p) for p in HF_MODEL_FILES)
+    ]
 
 
 def local_path(uri: str | os.PathLike[str]) -> Path:
@@ -98,6 +167,8 @@ def read_bytes(uri: str) -> bytes:
     if is_gcs(uri):
         with _gcs_errors(uri):
             return _blob(uri).download_as_bytes()
+    if is_hf(uri):
+        return _hf_download(uri).read_bytes()
     path = local_path(uri)
     try:
         return path.read_bytes()
@@ -133,6 +204,12 @@ def write_text(uri: str, text: str) -> None:
 
 def exists(uri: str) -> bool:
     """A file/object exists, or (gs://) any object lies under the prefix."""
+    if is_hf(uri):
+        try:
+            _hf_download(uri)
+        except UserError:
+            return False
+        return True
     if not is_gcs(uri):
         return local_path(uri).exists()
     bucket, name = split_gcs(uri)
@@ -167,8 +244,13 @@ def _walk_gcs(uri: str) -> Iterator[tuple[str, Any]]:
 
 
 def download_dir(uri: str, dest: str | os.PathLike[str]) -> Path:
-    """Copy every file under `uri` into the local directory `dest`; a missing source is a UserError."""
+    """Copy every file under `uri` into the local directory `dest`; a missing source is a UserError.
+
+    For `hf://` repositories only the model files (weights, JSON configs, tokenizer) are fetched.
+    """
     dest_path = Path(dest)
+    if is_hf(uri):
+        return _hf_download(uri, dest_path)
     if not is_gcs(uri):
         src = local_path(uri)
         if not src.is_dir():
@@ -206,8 +288,8 @@ def upload_dir(src: str | os.PathLike[str], uri: str) -> None:
 
 @contextlib.contextmanager
 def local_dir(uri: str) -> Iterator[Path]:
-    """A local directory holding the files of `uri`: the path itself when local, a temporary download for gs://."""
-    if not is_gcs(uri):
+    """A local directory holding the files of `uri`: the path itself when local, a temporary download otherwise."""
+    if not (is_gcs(uri) or is_hf(uri)):
         path = local_path(uri)
         if not path.is_dir():
             raise UserError(f"{path} is not a directory: check the path")

@@ -39,18 +39,8 @@ def resolve_family(hf_config: dict[str, Any], family: str | None, where: str) ->
     return get_family(detected)
 
 
-def require_storage_uri(uri: str, flag: str) -> None:
-    """Refuse `hf://` bases: nothing here downloads from a model hub."""
-    if uri.startswith("hf://"):
-        raise UserError(
-            f"{flag} {uri}: the trainer image does not download from a model hub; copy the checkpoint to "
-            "gs://BUCKET/PATH (e.g. `huggingface-cli download` then `gcloud storage cp -r`) and pass that URI"
-        )
-
-
 def base_shapes(base_uri: str, family: str | None = None) -> BaseShapes:
     """Family and LoRA-target weight shapes of the base model at `base_uri` (reads only config.json)."""
-    require_storage_uri(base_uri, "--base")
     config_uri = storage.join(base_uri, "config.json")
     if not storage.exists(config_uri):
         raise UserError(f"{config_uri} does not exist: --base must be the HF checkpoint directory the adapter belongs to")

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 from lora_trainer import storage
-from lora_trainer.adapters.base_model import require_storage_uri
 from lora_trainer.adapters.mapping import lora_tree_to_peft, short_names
 from lora_trainer.adapters.merge import merge_adapter_into_checkpoint
 from lora_trainer.adapters.peft_format import LoraHyper, PeftLoraAdapter, write_peft_adapter
@@ -53,7 +52,6 @@ def write_adapter_output(adapter: PeftLoraAdapter, out: str, *, merged: bool, ba
         return
     if not base:
         raise UserError("--merged needs the base model: pass --base (the checkpoint records none)")
-    require_storage_uri(base, "--base")
     with storage.local_dir(base) as base_dir, storage.staged_output_dir(out) as stage:
         merge_adapter_into_checkpoint(base_dir, adapter, stage)
 

@@ -50,15 +50,10 @@ class LoadedModel:
 
 
 def resolve_local_dir(source: str) -> Path:
-    """A local directory holding `source`'s files: the path itself, or a cached download of gs://."""
-    if source.startswith("hf://"):
-        raise UserError(
-            f"model.source {source}: this trainer does not download from a model hub; copy the checkpoint "
-            "to gs://BUCKET/PATH (e.g. `huggingface-cli download` then `gcloud storage cp -r`) and use that URI"
-        )
+    """A local directory holding `source`'s files: the path itself, or a cached download of gs:// or hf://."""
     if source.startswith("file://"):
         source = source[len("file://") :]
-    if not storage.is_gcs(source):
+    if not (storage.is_gcs(source) or storage.is_hf(source)):
         path = Path(source)
         if not path.is_dir():
             raise UserError(f"model.source {source} is not a directory: point it at an HF checkpoint directory")
