@@ -3,7 +3,7 @@
 Model: Llama-3-shaped, 4 layers, hidden 512, 8 query / 2 key-value heads of 64, MLP 1408,
 vocab 8192, float32, random weights (written as an HF checkpoint by `tiny_models` and
 loaded by the trainer's own loader). Batch 8 x 256 tokens, LoRA rank 16 (alpha 32) on all
-seven projections, AdamW. Measured, each after warm-up, `--steps` steps, median step time:
+seven projections, AdamW. Measured round-robin (one step of each per round, `--steps` rounds after warm-up), median:
   - trainer:  the production step, `train.make_trainer(...).train([batch])` (Tunix PeftTrainer);
   - raw lora: the same loss and LoRA-only gradient in a bare `nnx.jit` step (Tunix's overhead);
   - full ft:  every parameter trained, bare `nnx.jit` step (the fraction's denominator);
@@ -30,6 +30,10 @@ from typing import Any
 
 import numpy as np
 
+# torch's OpenMP workers spin for a while after each op by default; in one process with XLA's
+# own thread pool that steals the 2 cores from the next JAX step. Sleep instead of spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Trainer"
@@ -47,16 +51,22 @@ BATCH, SEQ, RANK, ALPHA = 8, 256, 16, 32.0
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _time(step: Callable[[], Any], warmup: int, steps: int) -> float:
-    """Median seconds of `step` (which must block until its work is done) after `warmup` calls."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _interleaved(steps: dict[str, Callable[[], Any]], warmup: int, rounds: int) -> dict[str, float]:
+    """Median seconds per call of each step (each must block until done), measured round-robin.
+
+    Round-robin, so that load from other work on a shared machine hits every row alike
+    and the ratios stay meaningful even when the absolute times drift.
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _batch() -> dict[str, np.ndarray]:
@@ -65,7 +75,7 @@ def _batch() -> dict[str, np.ndarray]:
     return {"input_tokens": tokens, "input_mask": ones, "segment_ids": ones, "positions": np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1))}
 
 
-def jax_steps(model_dir: Path, steps: int, *, full: bool) -> dict[str, float]:
+def jax_steps(model_dir: Path, *, full: bool) -> dict[str, Callable[[], Any]]:
     import jax
     import optax
     from flax import nnx
@@ -79,18 +89,18 @@ def jax_steps(model_dir: Path, steps: int, *, full: bool) -> dict[str, float]:
     batch = _batch()
     loaded = load_model(str(model_dir), dtype="float32")
     lora_model = apply_lora(loaded.model, LoraSpec(rank=RANK, alpha=ALPHA), loaded.family, seed=0).model
-    out: dict[str, float] = {}
+    out: dict[str, Callable[[], Any]] = {}
 
     mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    with mesh:
-        trainer = make_trainer(lora_model, spec)
+    trainer = make_trainer(lora_model, spec)
 
-        def trainer_step() -> None:
+    def trainer_step() -> None:
+        with mesh:  # Tunix reads the legacy mesh context
             trainer.train([batch])
-            jax.block_until_ready(trainer.train_aux[-1]["loss"])
-            trainer.train_aux.clear()
+        jax.block_until_ready(trainer.train_aux[-1]["loss"])
+        trainer.train_aux.clear()
 
-        out["trainer"] = _time(trainer_step, 2, steps)
+    out["trainer"] = trainer_step
 
     inputs = model_inputs({k: jax.numpy.asarray(v) for k, v in batch.items()})
 
@@ -105,15 +115,15 @@ def jax_steps(model_dir: Path, steps: int, *, full: bool) -> dict[str, float]:
 
         return lambda: jax.block_until_ready(step(model, opt, inputs))
 
-    out["raw lora"] = _time(bare_step(lora_model, nnx.LoRAParam), 2, steps)
+    out["raw lora"] = bare_step(lora_model, nnx.LoRAParam)
     forward = nnx.jit(lambda m, i: lm_loss(m, **i)[0])
-    out["forward"] = _time(lambda: jax.block_until_ready(forward(lora_model, inputs)), 2, steps)
+    out["forward"] = lambda: jax.block_until_ready(forward(lora_model, inputs))
     if full:
-        out["full ft"] = _time(bare_step(load_model(str(model_dir), dtype="float32").model, nnx.Param), 2, steps)
+        out["full ft"] = bare_step(load_model(str(model_dir), dtype="float32").model, nnx.Param)
     return out
 
 
-def torch_step(model_dir: Path, steps: int) -> float:
+def torch_step(model_dir: Path) -> Callable[[], Any]:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -131,7 +141,7 @@ def torch_step(model_dir: Path, steps: int) -> float:
         opt.zero_grad(set_to_none=True)
 
     model.train()
-    return _time(step, 2, steps)
+    return step
 
 
 def _section(r: dict[str, float], load: float, steps: int) -> str:
@@ -152,7 +162,8 @@ def _section(r: dict[str, float], load: float, steps: int) -> str:
 `bench/train_throughput.py` (run by hand): a Llama-3-shaped model (4 layers, hidden 512,
 8/2 heads of 64, MLP 1408, vocab 8192, float32, random), batch {BATCH} x {SEQ} tokens, LoRA rank
 {RANK} (alpha {ALPHA:g}) on all seven projections, AdamW; the same shapes and batch for every
-row, all in one run, median of {steps} steps after 2 warm-up steps. Machine: {platform.machine()},
+row, all in one run, median of {steps} rounds after 2 warm-up steps, the rows measured round-robin
+(one step of each per round) so that other load hits every row alike. Machine: {platform.machine()},
 {os.cpu_count()} CPUs shared with other work (1-minute load average {load:.1f} at the end), JAX CPU.
 
 | step | seconds | tokens/s |
@@ -192,7 +203,7 @@ def main() -> int:
 
             from lora_trainer import metrics
 
-            r = jax_steps(model_dir, args.steps, full=False)
+            r = _interleaved({"trainer": jax_steps(model_dir, full=False)["trainer"]}, 2, args.steps)
             tps = BATCH * SEQ / r["trainer"]
             # matmul params: 4 layers of attention+MLP projections plus the untied LM head.
             h, m, v, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"], 2 * 64
@@ -204,8 +215,7 @@ def main() -> int:
             kinds = [d.device_kind for d in jax.devices()[:1]]
             print(f"{kinds[0]}: trainer step {r['trainer']:.4f} s, {tps:,.0f} tokens/s, mfu {metrics.mfu(tps, fpt, kinds)}")
             return 0
-        r = jax_steps(model_dir, args.steps, full=True)
-        r["torch"] = torch_step(model_dir, args.steps)
+        r = _interleaved({**jax_steps(model_dir, full=True), "torch": torch_step(model_dir)}, 2, args.steps)
     for k, v in r.items():
         print(f"{k:10s} {v:.3f} s  {BATCH * SEQ / v:,.0f} tokens/s")
     text = _section(r, os.getloadavg()[0], args.steps)
