@@ -31,8 +31,11 @@ tiny-model: examples/tiny-llama/config.json
 demo: tiny-model
 	$(VENV)/bin/lora-operator run-local -f examples/lora-finetune.yaml
 
+# Benchmarks are run by hand (never in tests); each rewrites its own section of docs/benchmarks.md.
 bench: install
-	$(PY) bench/run_all.py
+	$(PY) bench/operator_latency.py
+	$(PY) bench/train_throughput.py
+	$(PY) bench/adapter_convert.py
 
 clean:
 	rm -rf $(VENV) examples/tiny-llama examples/output

@@ -1,6 +1,6 @@
 """The chart's RBAC allows every request the real operator makes, and nothing it never makes.
 
-Evidence comes from engineer A's KMock harness (tests/k8s_harness.py), which records each
+Evidence comes from the KMock harness (tests/k8s_harness.py), which records each
 request the operator sends as (RBAC verb, `<group>/<resource>[/<subresource>]`): the lifecycle
 scenario below, plus whatever other harness tests of the same pytest run recorded, plus the
 file named by LORA_RBAC_USAGE_FILE when a previous run wrote one.

@@ -19,7 +19,7 @@ from lora_operator.tpu import CATALOG
 from lora_trainer.config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
-from test_operator_render import jobset_validator  # noqa: E402  (engineer A's JobSet v0.12.0 schema helper)
+from test_operator_render import jobset_validator  # noqa: E402  (the JobSet v0.12.0 schema helper)
 
 
 def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

@@ -61,10 +61,6 @@ class WeightRule:
         sizes = dict(zip(_letters(self.nnx_axes), nnx_shape, strict=True))
         return einops.rearrange(array, f"{self.hf_axes} -> {self.nnx_axes}", **sizes)
 
-    def to_hf(self, array: Any) -> Any:
-        """NNX parameter -> HF tensor layout."""
-        return einops.rearrange(array, f"{self.nnx_axes} -> {self.hf_axes}")
-
     def hf_shape(self, nnx_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The HF tensor shape that corresponds to an NNX parameter shape."""
         sizes = dict(zip(_letters(self.nnx_axes), nnx_shape, strict=True))

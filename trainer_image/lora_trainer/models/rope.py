@@ -138,3 +138,20 @@ def install_seam(module: ModuleType) -> None:
 
     apply_rope._lora_trainer_seam = True  # type: ignore[attr-defined]
     module.apply_rope = apply_rope
+
+
+class RopeFromConfig:
+    """Mixin for a Tunix model class whose `apply_rope` goes through the seam: the forward pass
+    runs under the model's own RopeSpec (theta and scaling from config.json).
+
+    Used as `class Llama3(RopeFromConfig, tunix_llama3.Llama3)`; the module must have had
+    `install_seam` called on it.
+    """
+
+    def __init__(self, config: Any, *, rope_spec: RopeSpec, rngs: Any):
+        super().__init__(config, rngs=rngs)  # type: ignore[call-arg]
+        self.rope_spec = rope_spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with active(self.rope_spec):
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]

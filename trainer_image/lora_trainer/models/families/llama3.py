@@ -19,16 +19,8 @@ from lora_trainer.models.families.common import head_dim, llama_style_tables, re
 rope.install_seam(tunix_llama3)
 
 
-class Llama3(tunix_llama3.Llama3):
-    """Tunix Llama3 whose attention uses `self.rope` (theta and scaling from config.json)."""
-
-    def __init__(self, config: tunix_llama3.ModelConfig, *, rope_spec: rope.RopeSpec, rngs: nnx.Rngs):
-        super().__init__(config, rngs=rngs)
-        self.rope_spec = rope_spec
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with rope.active(self.rope_spec):
-            return super().__call__(*args, **kwargs)
+class Llama3(rope.RopeFromConfig, tunix_llama3.Llama3):
+    """Tunix Llama3 whose attention uses the RopeSpec from config.json."""
 
 
 def tunix_config(hf_config: Mapping[str, Any]) -> tunix_llama3.ModelConfig:

@@ -21,16 +21,8 @@ from lora_trainer.models.mapping import WeightRule
 rope.install_seam(tunix_qwen3)
 
 
-class Qwen3(tunix_qwen3.Qwen3):
-    """Tunix Qwen3 whose attention uses `self.rope_spec` (theta and scaling from config.json)."""
-
-    def __init__(self, config: tunix_qwen3.ModelConfig, *, rope_spec: rope.RopeSpec, rngs: nnx.Rngs):
-        super().__init__(config, rngs=rngs)
-        self.rope_spec = rope_spec
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with rope.active(self.rope_spec):
-            return super().__call__(*args, **kwargs)
+class Qwen3(rope.RopeFromConfig, tunix_qwen3.Qwen3):
+    """Tunix Qwen3 whose attention uses the RopeSpec from config.json."""
 
 
 def tunix_config(hf_config: Mapping[str, Any], dtype: jnp.dtype = jnp.float32) -> tunix_qwen3.ModelConfig:
