@@ -335,7 +335,7 @@ class Harness:
         return data
 
     async def wait_for(
-        self, probe: Callable[[], Awaitable[Any]], *, timeout: float = 20, what: str = "condition"
+        self, probe: Callable[[], Awaitable[Any]], *, timeout: float = 30, what: str = "condition"
     ) -> Any:
         """Poll `probe` until it returns something truthy."""
         deadline = time.monotonic() + timeout
@@ -347,7 +347,7 @@ class Harness:
             await asyncio.sleep(0.05)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
-    async def wait_for_status(self, kind: str, name: str, check: Callable[[dict[str, Any]], bool], *, timeout: float = 20,
+    async def wait_for_status(self, kind: str, name: str, check: Callable[[dict[str, Any]], bool], *, timeout: float = 30,
                               namespace: str = "default") -> dict[str, Any]:
         async def probe() -> dict[str, Any] | None:
             obj = await self.get(kind, name, namespace)

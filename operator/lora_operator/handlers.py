@@ -42,6 +42,8 @@ from lora_operator.tpu import SliceShape
 LFT = "lorafinetunes"
 ADC = "adapterconversions"
 SECRET_RETRY_SECONDS = 30
+#: Retry delay after an unexpected error (an API hiccup): kopf's default of 60 s is long for a user waiting.
+RETRY_SECONDS = 5
 
 
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -340,9 +342,9 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     kopf.on.startup(registry=registry)(configure)
     for decorator in (kopf.on.create, kopf.on.resume):
-        decorator(GROUP, VERSION, LFT, registry=registry, id="reconcile")(lft_reconcile)
-        decorator(GROUP, VERSION, ADC, registry=registry, id="reconcile")(adc_reconcile)
-    kopf.on.update(GROUP, VERSION, LFT, field="spec.suspend", registry=registry, id="suspend")(lft_suspend)
+        decorator(GROUP, VERSION, LFT, registry=registry, id="reconcile", backoff=RETRY_SECONDS)(lft_reconcile)
+        decorator(GROUP, VERSION, ADC, registry=registry, id="reconcile", backoff=RETRY_SECONDS)(adc_reconcile)
+    kopf.on.update(GROUP, VERSION, LFT, field="spec.suspend", registry=registry, id="suspend", backoff=RETRY_SECONDS)(lft_suspend)
     kopf.timer(GROUP, VERSION, LFT, interval=settings.progress_poll_seconds, when=_running, registry=registry, id="progress")(lft_progress)
     kopf.timer(GROUP, VERSION, LFT, interval=settings.progress_poll_seconds, when=_in_flight, registry=registry, id="resync")(lft_resync)
     kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LFT_LABEL: kopf.PRESENT}, when=_has_status,

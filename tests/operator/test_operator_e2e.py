@@ -38,9 +38,9 @@ async def test_create_makes_jobset_and_configmap_once(h):
     assert st["status"]["jobSetName"] == "run-a"
     assert st["status"]["tpu"] == "v5p 2x2x2 x2"
     assert st["status"]["progress"] == "0/100"
-    js = await h.get("JobSet", "run-a")
+    js = await h.wait_for(lambda: h.get("JobSet", "run-a"), what="JobSet")
     assert js["metadata"]["ownerReferences"][0]["uid"] == st["metadata"]["uid"]
-    cm = await h.get("ConfigMap", "run-a-config")
+    cm = await h.wait_for(lambda: h.get("ConfigMap", "run-a-config"), what="ConfigMap")
     assert json.loads(cm["data"]["config.json"])["training"]["steps"] == 100
     assert [o["metadata"]["name"] for o in await h.list("JobSet")] == ["run-a"]
     assert [o["metadata"]["name"] for o in await h.list("ConfigMap")] == ["run-a-config"]
@@ -181,7 +181,7 @@ async def test_adapter_conversion(h):
     })
     st = await h.wait_for_status("AdapterConversion", "conv", _phase("Pending"))
     assert st["status"]["jobName"] == "conv-convert"
-    job = await h.get("Job", "conv-convert")
+    job = await h.wait_for(lambda: h.get("Job", "conv-convert"), what="conversion Job")
     assert job["spec"]["template"]["spec"]["containers"][0]["command"][:6] == [
         "lora-trainer", "convert", "--from", "hf-peft", "--to", "orbax"
     ]
@@ -229,7 +229,7 @@ async def test_bad_crs_fail_with_the_field_and_others_keep_running(h, caplog):
                     "stringData": {"token": secret_value}, "data": {"token": "aGZfVE9QU0VDUkVUX3ZhbHVlXzEyMw=="}})
     await h.create(lft("good", hfTokenSecretRef={"name": "hf-ok"}))
     await h.wait_for_status("LoraFinetune", "good", _phase("Pending"))
-    js = await h.get("JobSet", "good")
+    js = await h.wait_for(lambda: h.get("JobSet", "good"), what="JobSet")
     env = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-ok", "key": "token"}}} in env
     everything = json.dumps([o for kind in ("LoraFinetune", "JobSet", "ConfigMap", "Event", "Job") for o in await h.list(kind)])
