@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import report  # bench/ is on sys.path when a script here runs
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Adapters"
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, RANK = 32, 4096, 32, 8, 128, 14336, 16
@@ -244,15 +244,7 @@ convert's time, and its read {r['orbax_read_s'] / r['export_s']:.0%} of export's
 checking and mapping the tensors and writing safetensors. This 2-CPU machine was shared with
 other work during the run, so single figures vary by 2x or more between runs.
 """
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if SECTION in text:
-        head, _, rest = text.partition(SECTION)
-        nxt = rest.find("\n## ")
-        tail = rest[nxt + 1 :] if nxt >= 0 else ""
-        text = head + body + ("\n" + tail if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    DOC.write_text(text)
+    report.write_section(SECTION, body)
 
 
 def main() -> int:

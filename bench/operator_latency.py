@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from k8s_harness import PATHS, ApiServerEmulator, Harness  # noqa: E402
 import kmock  # noqa: E402
 from crdcheck import validate  # noqa: E402
+import report  # bench/ is on sys.path when a script here runs
 
-DOC = ROOT / "docs" / "benchmarks.md"
 #: How the operator is started (override with env LORA_BENCH_OPERATOR_CMD, e.g. to profile it).
 OPERATOR_CMD = os.environ.get("LORA_BENCH_OPERATOR_CMD", str(ROOT / ".venv" / "bin" / "lora-operator")).split()
 SECTION = "## Operator"
@@ -199,15 +199,7 @@ is that first write -> the JobSet exists (status patch, ConfigMap, JobSet).
 Median p99 {round(p99, 3)} s (target < 2 s), peak RSS {peak} MB (target < 200 MB): targets
 {'met' if ok else 'NOT met'}. Measured {time.strftime('%Y-%m-%d', time.gmtime())}.
 """
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if SECTION in text:
-        head, _, rest = text.partition(SECTION)
-        nxt = rest.find("\n## ")
-        tail = rest[nxt + 1:] if nxt >= 0 else ""
-        text = head + body + ("\n" + tail if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    DOC.write_text(text)
+    report.write_section(SECTION, body)
 
 
 def main() -> int:
