@@ -11,7 +11,6 @@ cannot express become CEL rules (`x-kubernetes-validations`).
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from lora_operator.api import (
     LoraFinetuneSpec,
     LoraFinetuneStatus,
 )
+from lora_operator.generated import write_or_check
 from lora_operator.tpu import CATALOG
 
 Schema = dict[str, Any]
@@ -318,18 +318,4 @@ def generated_files() -> dict[str, str]:
 
 def check_or_write(directories: Sequence[Path], *, check: bool = False) -> int:
     """Write the CRDs into each directory, or with `check` report drift and return 1."""
-    files = generated_files()
-    drift = []
-    for d in directories:
-        for name, text in files.items():
-            path = d / name
-            if check:
-                if not path.exists() or path.read_text() != text:
-                    drift.append(str(path))
-            else:
-                d.mkdir(parents=True, exist_ok=True)
-                path.write_text(text)
-    if drift:
-        print(f"CRDs out of date: {', '.join(drift)}; run `lora-operator crds` and commit the result", file=sys.stderr)
-        return 1
-    return 0
+    return write_or_check(generated_files(), directories, check=check, what="CRDs", command="lora-operator crds")

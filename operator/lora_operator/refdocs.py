@@ -14,12 +14,12 @@ import argparse
 import ast
 import inspect
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from lora_operator.crdgen import adapter_conversion_crd, lora_finetune_crd
+from lora_operator.generated import write_or_check
 from lora_operator.render import pod_failure_policy
 from lora_trainer import exit_codes
 from lora_trainer.cli import _parser as trainer_parser
@@ -243,16 +243,4 @@ def generated_files() -> dict[str, str]:
 
 def check_or_write(directory: Path, *, check: bool = False) -> int:
     """Write the pages into `directory`, or with check=True return 1 (listing them) if any is stale."""
-    stale = []
-    for name, text in generated_files().items():
-        path = directory / name
-        if check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(str(path))
-        else:
-            directory.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-    if stale:
-        print(f"stale reference docs: {', '.join(stale)}; run `lora-operator docs`", file=sys.stderr)
-        return 1
-    return 0
+    return write_or_check(generated_files(), [directory], check=check, what="reference docs", command="lora-operator docs")
