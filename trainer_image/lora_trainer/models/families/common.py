@@ -15,6 +15,19 @@ def head_dim(hf_config: Mapping[str, Any]) -> int:
     return int(value) if value else int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"])
 
 
+def decoder_dims(hf_config: Mapping[str, Any]) -> dict[str, int]:
+    """The shape arguments every Tunix decoder ModelConfig (llama3, qwen2, qwen3) takes, from config.json."""
+    return {
+        "num_layers": int(hf_config["num_hidden_layers"]),
+        "vocab_size": int(hf_config["vocab_size"]),
+        "embed_dim": int(hf_config["hidden_size"]),
+        "hidden_dim": int(hf_config["intermediate_size"]),
+        "num_heads": int(hf_config["num_attention_heads"]),
+        "head_dim": head_dim(hf_config),
+        "num_kv_heads": int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]),
+    }
+
+
 def axis_sizes(hf_config: Mapping[str, Any]) -> dict[str, int]:
     """Sizes of the weight tables' axis letters (d embed, n query heads, k kv heads, h head_dim, f MLP, v vocab)."""
     heads = int(hf_config["num_attention_heads"])

@@ -14,7 +14,7 @@ from flax import nnx
 from tunix.models.llama3 import model as tunix_llama3
 
 from lora_trainer.models import rope
-from lora_trainer.models.families.common import head_dim, llama_style_tables, require
+from lora_trainer.models.families.common import decoder_dims, llama_style_tables, require
 
 rope.install_seam(tunix_llama3)
 
@@ -29,13 +29,7 @@ def tunix_config(hf_config: Mapping[str, Any]) -> tunix_llama3.ModelConfig:
     require(hf_config, "llama3", "attention_bias", (False,), False)
     require(hf_config, "llama3", "mlp_bias", (False,), False)
     return tunix_llama3.ModelConfig(
-        num_layers=int(hf_config["num_hidden_layers"]),
-        vocab_size=int(hf_config["vocab_size"]),
-        embed_dim=int(hf_config["hidden_size"]),
-        hidden_dim=int(hf_config["intermediate_size"]),
-        num_heads=int(hf_config["num_attention_heads"]),
-        head_dim=head_dim(hf_config),
-        num_kv_heads=int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]),
+        **decoder_dims(hf_config),
         rope_theta=rope.hf_rope(hf_config).theta,  # informational: Tunix ignores it, self.rope_spec is used
         norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)),
         weight_tying=bool(hf_config.get("tie_word_embeddings", False)),

@@ -15,7 +15,7 @@ from tunix.models.qwen2 import model as tunix_qwen2
 
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
-from lora_trainer.models.families.common import LAYER, head_dim, llama_style_tables, require
+from lora_trainer.models.families.common import LAYER, decoder_dims, llama_style_tables, require
 from lora_trainer.models.mapping import WeightRule
 
 
@@ -30,13 +30,7 @@ def tunix_config(hf_config: Mapping[str, Any], dtype: jnp.dtype = jnp.float32) -
             "only); use a checkpoint without rope_scaling"
         )
     return tunix_qwen2.ModelConfig(
-        num_layers=int(hf_config["num_hidden_layers"]),
-        vocab_size=int(hf_config["vocab_size"]),
-        embed_dim=int(hf_config["hidden_size"]),
-        hidden_dim=int(hf_config["intermediate_size"]),
-        num_heads=int(hf_config["num_attention_heads"]),
-        head_dim=head_dim(hf_config),
-        num_kv_heads=int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]),
+        **decoder_dims(hf_config),
         rope_theta=spec.theta,
         norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         use_tied_embedding=bool(hf_config.get("tie_word_embeddings", False)),

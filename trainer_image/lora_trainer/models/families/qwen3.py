@@ -15,7 +15,7 @@ from flax import nnx
 from tunix.models.qwen3 import model as tunix_qwen3
 
 from lora_trainer.models import rope
-from lora_trainer.models.families.common import LAYER, head_dim, llama_style_tables, require
+from lora_trainer.models.families.common import LAYER, decoder_dims, llama_style_tables, require
 from lora_trainer.models.mapping import WeightRule
 
 rope.install_seam(tunix_qwen3)
@@ -31,13 +31,7 @@ def tunix_config(hf_config: Mapping[str, Any], dtype: jnp.dtype = jnp.float32) -
     require(hf_config, "qwen3", "attention_bias", (False,), False)
     require(hf_config, "qwen3", "use_sliding_window", (False, None), False)
     return tunix_qwen3.ModelConfig(
-        num_layers=int(hf_config["num_hidden_layers"]),
-        vocab_size=int(hf_config["vocab_size"]),
-        embed_dim=int(hf_config["hidden_size"]),
-        hidden_dim=int(hf_config["intermediate_size"]),
-        num_heads=int(hf_config["num_attention_heads"]),
-        head_dim=head_dim(hf_config),
-        num_kv_heads=int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]),
+        **decoder_dims(hf_config),
         rope_theta=rope.hf_rope(hf_config).theta,  # informational: Tunix ignores it, self.rope_spec is used
         norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         use_tied_embedding=bool(hf_config.get("tie_word_embeddings", False)),
