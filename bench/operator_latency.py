@@ -173,7 +173,10 @@ def write_section(results: list[dict[str, Any]]) -> None:
     p99 = statistics.median(r["p99_s"] for r in results)
     peak = max(r["peak_rss_mb"] for r in results)
     complete = all(r["jobsets"] == r["count"] for r in results)
-    ok = p99 < 2 and peak < 200 and complete
+    verdict = (
+        f"latency target {'met' if p99 < 2 and complete else 'NOT met'}, memory target {'met' if peak < 200 else 'NOT met'}"
+        + ("" if complete else " (some JobSets never appeared)")
+    )
     rows = "\n".join(
         f"| {i + 1} | {r['jobsets']} / {r['count']} | {r['p50_s']} s | {r['p99_s']} s | {r['max_s']} s | "
         f"{r['queue_p50_s']} s | {r['handler_p50_s']} s | "
@@ -196,8 +199,10 @@ is that first write -> the JobSet exists (status patch, ConfigMap, JobSet).
 |---|---|---|---|---|---|---|---|---|
 {rows}
 
-Median p99 {round(p99, 3)} s (target < 2 s), peak RSS {peak} MB (target < 200 MB): targets
-{'met' if ok else 'NOT met'}. Measured {time.strftime('%Y-%m-%d', time.gmtime())}.
+Median p99 {round(p99, 3)} s (target < 2 s), peak RSS {peak} MB (target < 200 MB): {verdict}.
+Nearly all of the latency is queueing before a CR's handler starts (the handler itself takes
+~0.1 s): 200 events arrive at once and the emulator, the operator and the benchmark share 2 cores.
+Measured {time.strftime('%Y-%m-%d', time.gmtime())}.
 """
     report.write_section(SECTION, body)
 
