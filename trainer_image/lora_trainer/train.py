@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 import sys
@@ -45,6 +46,8 @@ from lora_trainer.models import load_model
 from lora_trainer.progress import ProgressCallback, ProgressSink, progress_record
 
 log = logging.getLogger(__name__)
+
+_REPLICATED = jax.sharding.PartitionSpec()
 
 #: Metadata keys whose change makes an existing checkpoint unusable, with the config field users change.
 _COMPATIBILITY = (
@@ -123,8 +126,36 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
     def _post_process_train_step(self, aux: Any) -> None:
         self.train_aux.append(aux)
 
+    def _shard_optimizer(self, mesh: jax.sharding.Mesh) -> None:
+        """Tunix's optimizer placement, then every replicated model/optimizer array on the mesh's `P()`.
+
+        Called once, just before the train step is first jitted (after any resume/restore). The
+        jitted step returns replicated arrays as `NamedSharding(mesh, P())`, while loading, Qwix
+        and the optimizer's init leave some as `P(None, None, None)` or on a `SingleDeviceSharding`
+        (e.g. the step counts): without this the step compiles a second time on its second call.
+        Values are not touched (a placement only), so resumed runs stay bitwise identical.
+        """
+        super()._shard_optimizer(mesh)
+        if not mesh.empty:
+            for obj in (self.model, self.optimizer):
+                nnx.update(obj, jax.tree.map(functools.partial(_replicated_on, mesh), nnx.state(obj)))
+
     def _post_process_eval_step(self, aux: Any) -> None:
         self.eval_aux.append(aux)
+
+
+def _replicated_on(mesh: jax.sharding.Mesh, x: Any) -> Any:
+    """`x` placed as `NamedSharding(mesh, P())` if it is a fully replicated array not already so placed."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(x, jax.Array) or sharding is None or not sharding.is_fully_replicated:
+        return x
+    named = isinstance(sharding, jax.sharding.NamedSharding)
+    if named and sharding.mesh == mesh and sharding.spec == _REPLICATED:
+        return x
+    target = jax.sharding.NamedSharding(mesh, _REPLICATED)
+    if not named and not target.is_fully_addressable:
+        return x  # a one-device array onto a multi-process mesh: leave it to jit (a second compile, not an error)
+    return jax.device_put(x, target)
 
 
 def make_trainer(model: nnx.Module, t: TrainingSpec) -> LoraPeftTrainer:

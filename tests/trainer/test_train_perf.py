@@ -1,0 +1,79 @@
+"""Compilation counts of the training step: one compile per run, on a mesh, fresh or resumed."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+import pytest
+from trainer_fixtures import parse, tiny_llama, train_config
+
+from lora_trainer import checkpoint, distributed
+from lora_trainer.config import LoraSpec, MeshSpec, TrainingSpec
+from lora_trainer.lora import apply_lora
+from lora_trainer.models import load_model
+from lora_trainer.train import make_trainer, run_training
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _compiles() -> Iterator[list[str]]:
+    """The names in JAX's "Compiling <fn> ..." log lines while the block runs (jax_log_compiles)."""
+    handler, logger = _Records(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    names: list[str] = []
+    try:
+        with jax.log_compiles(True):
+            yield names
+    finally:
+        logger.removeHandler(handler)
+        names.extend(m.split()[1] for m in handler.messages if m.startswith("Compiling "))
+
+
+def _batch(rows: int = 4, length: int = 32) -> dict[str, np.ndarray]:
+    tokens = np.random.default_rng(0).integers(3, 200, (rows, length)).astype(np.int32)
+    ones = np.ones_like(tokens)
+    return {"input_tokens": tokens, "input_mask": ones, "segment_ids": ones, "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1))}
+
+
+@pytest.mark.slow
+def test_train_step_compiles_once_on_a_mesh():
+    mesh = distributed.make_mesh(MeshSpec())
+    loaded = load_model(str(tiny_llama()), dtype="float32", mesh=mesh)
+    applied = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0)
+    with warnings.catch_warnings(), mesh:
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*mesh.*")
+        trainer = make_trainer(applied.model, TrainingSpec(steps=10, learning_rate=0.01, schedule="cosine", warmup_steps=1))
+        with _compiles() as names:
+            for _ in range(4):
+                trainer.train([_batch()])
+            jax.block_until_ready(trainer.train_aux)
+    assert names.count("jit(_train_step)") == 1, names
+    assert trainer._jitted_train_step_fn.func.jitted_fn._cache_size() == 1
+    losses = [float(a["loss"]) for a in trainer.train_aux]
+    assert len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow
+def test_run_and_resumed_run_each_compile_the_train_step_once(tmp_path):
+    out = tmp_path / "out"
+    with _compiles() as first:
+        run_training(parse(train_config(tmp_path, str(out), steps=3, checkpointEvery=3)))
+    assert checkpoint.committed_steps(checkpoint.checkpoint_root(str(out))) == [3]
+    with _compiles() as resumed:
+        result = run_training(parse(train_config(tmp_path, str(out), steps=5, checkpointEvery=3)))
+    assert result.final_step == 5
+    assert first.count("jit(_train_step)") == 1, first
+    assert resumed.count("jit(_train_step)") == 1, resumed
