@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import report  # bench/ is on sys.path when a script here runs
 
 # torch's OpenMP workers spin for a while after each op by default; in one process with XLA's
 # own thread pool that steals the 2 cores from the next JAX step. Sleep instead of spinning.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Trainer"
 SHAPE = {
     "num_hidden_layers": 4,
@@ -191,17 +191,6 @@ step: {r["trainer"] - r["raw lora"]:+.3f} s. The trainer's step compiled {_compi
 """
 
 
-def _write_section(text: str) -> None:
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if SECTION in doc:
-        start = doc.index(SECTION)
-        nxt = doc.find("\n## ", start + len(SECTION))
-        doc = doc[:start] + text + (doc[nxt + 1 :] if nxt != -1 else "")
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    DOC.write_text(doc)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5)
@@ -237,7 +226,7 @@ def main() -> int:
     text = _section(r, os.getloadavg()[0], args.steps)
     print(text)
     if not args.no_write:
-        _write_section(text)
+        report.write_section(SECTION, text)
     return 0
 
 
