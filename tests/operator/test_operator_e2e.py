@@ -198,6 +198,24 @@ async def test_adapter_conversion(h):
         })
 
 
+async def test_adapter_conversion_failure_fails_with_conversion_failed(h):
+    await h.create({
+        "apiVersion": "lora-operator.dev/v1alpha1", "kind": "AdapterConversion", "metadata": {"name": "conv-bad"},
+        "spec": {
+            "source": {"uri": "gs://runs-bucket/b/hf-adapter", "format": "hf-peft"},
+            "target": {"uri": "gs://runs-bucket/b/orbax", "format": "orbax"},
+            "model": {"source": "gs://models-bucket/llama"},
+        },
+    })
+    await h.wait_for(lambda: h.get("Job", "conv-bad-convert"), what="conversion Job")
+    await h.job_finished("conv-bad-convert", failed=True, message="Job has reached the specified backoff limit")
+    st = await h.wait_for_status("AdapterConversion", "conv-bad", _phase("Failed"))
+    failed = _cond(st["status"], "Failed")
+    assert failed["reason"] == "ConversionFailed"
+    assert "backoff limit" in failed["message"]
+    assert "outputUri" not in st["status"]
+
+
 async def test_operator_restart_keeps_exactly_one_jobset(h):
     await h.create(lft("run-g"))
     await h.wait_for(lambda: h.get("JobSet", "run-g"), what="JobSet")
