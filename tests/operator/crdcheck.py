@@ -1,4 +1,4 @@
-"""Validate objects the way the API server does with our CRDs: defaults, structural schema, CEL.
+"""Validate objects the way the API server does with our CRDs: pruning, defaults, structural schema, CEL.
 
 The KMock emulator does no validation, so the harness and the invalid-CR corpus use this:
 jsonschema (Draft 4 semantics, as OpenAPI v3.0: boolean exclusiveMinimum) on the CRD's
@@ -36,6 +36,35 @@ def _strip_k8s(node: Any) -> Any:
     if isinstance(node, list):
         return [_strip_k8s(x) for x in node]
     return node
+
+
+def prune(schema: dict[str, Any], obj: Any, path: str = "") -> tuple[Any, list[str]]:
+    """Drop fields the structural schema does not declare, as the API server does; returns (object, dropped paths).
+
+    `metadata` and `x-kubernetes-preserve-unknown-fields` subtrees are kept as they are.
+    """
+    dropped: list[str] = []
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return obj, dropped
+    if isinstance(obj, dict) and "properties" in schema:
+        kept = {}
+        for name, value in obj.items():
+            if name in schema["properties"]:
+                kept[name], more = (value, []) if name == "metadata" and not path else prune(
+                    schema["properties"][name], value, f"{path}.{name}"
+                )
+                dropped += more
+            else:
+                dropped.append(f"{path}.{name}".lstrip("."))
+        return kept, dropped
+    if isinstance(obj, list) and "items" in schema:
+        items = []
+        for i, item in enumerate(obj):
+            pruned, more = prune(schema["items"], item, f"{path}[{i}]")
+            items.append(pruned)
+            dropped += more
+        return items, dropped
+    return obj, dropped
 
 
 def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
@@ -79,7 +108,8 @@ def _cel_errors(schema: dict[str, Any], new: Any, old: Any, path: str) -> list[s
 def validate(plural: str, obj: dict[str, Any], old: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
     """Default and validate `obj`; return (defaulted object, error messages naming their fields)."""
     schema = open_api_schema(plural)
-    obj = apply_defaults(schema, copy.deepcopy(obj))
+    obj, _dropped = prune(schema, copy.deepcopy(obj))
+    obj = apply_defaults(schema, obj)
     validator = jsonschema.Draft4Validator(_strip_k8s(schema))
     errors = [
         f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from crdcheck import apply_defaults, open_api_schema, validate
+from crdcheck import apply_defaults, open_api_schema, prune, validate
 from pydantic import ValidationError
 
 from lora_operator import crdgen
@@ -185,6 +185,25 @@ def test_bad_adapter_conversion_is_rejected_naming_the_field(patch, field):
     assert _field_named(errors, field), errors
     with pytest.raises(ValidationError):
         AdapterConversionSpec.model_validate(_merge(GOOD_ADC, patch))
+
+
+def test_fields_outside_the_schema_never_reach_a_pod():
+    """`resources`/`env` cannot smuggle TPU chips, secrets by value or privileges: the API server prunes
+    what the structural schema does not declare (or rejects it under strict field validation)."""
+    smuggled = {
+        "resources": {"limits": {"cpu": "4", "google.com/tpu": "8"}},
+        "env": [{"name": "X", "value": "1", "valueFrom": {"secretKeyRef": {"name": "other", "key": "k"}}}],
+        "securityContext": {"privileged": True},
+    }
+    cr = _cr("LoraFinetune", _merge(GOOD_LFT, smuggled))
+    assert sorted(prune(open_api_schema("lorafinetunes"), cr)[1]) == [
+        "spec.env[0].valueFrom", "spec.resources.limits.google.com/tpu", "spec.securityContext",
+    ]
+    obj, errors = validate("lorafinetunes", cr)
+    assert errors == []
+    spec = LoraFinetuneSpec.model_validate(obj["spec"])
+    assert spec.resources.limits.to_wire() == {"cpu": "4"}
+    assert [e.to_wire() for e in spec.env] == [{"name": "X", "value": "1"}]
 
 
 def test_spec_is_immutable_except_suspend():
