@@ -24,6 +24,17 @@ def lft(name: str, output: str | None = None, **spec: Any) -> dict[str, Any]:
     return {"apiVersion": "lora-operator.dev/v1alpha1", "kind": "LoraFinetune", "metadata": {"name": name}, "spec": base}
 
 
+def adc(name: str, **spec: Any) -> dict[str, Any]:
+    """An AdapterConversion from a PEFT adapter under gs://runs-bucket/<name>/ to Orbax beside it."""
+    base = {
+        "source": {"uri": f"gs://runs-bucket/{name}/hf-adapter", "format": "hf-peft"},
+        "target": {"uri": f"gs://runs-bucket/{name}/orbax", "format": "orbax"},
+        "model": {"source": "gs://models-bucket/llama"},
+    }
+    base.update(spec)
+    return {"apiVersion": "lora-operator.dev/v1alpha1", "kind": "AdapterConversion", "metadata": {"name": name}, "spec": base}
+
+
 @pytest.fixture
 async def h():
     async with Harness() as harness:
@@ -171,14 +182,7 @@ async def test_export_failure_fails_with_export_failed(h):
 
 
 async def test_adapter_conversion(h):
-    await h.create({
-        "apiVersion": "lora-operator.dev/v1alpha1", "kind": "AdapterConversion", "metadata": {"name": "conv"},
-        "spec": {
-            "source": {"uri": "gs://runs-bucket/a/hf-adapter", "format": "hf-peft"},
-            "target": {"uri": "gs://runs-bucket/a/orbax", "format": "orbax"},
-            "model": {"source": "gs://models-bucket/llama", "family": "llama3"},
-        },
-    })
+    await h.create(adc("conv", model={"source": "gs://models-bucket/llama", "family": "llama3"}))
     st = await h.wait_for_status("AdapterConversion", "conv", _phase("Pending"))
     assert st["status"]["jobName"] == "conv-convert"
     job = await h.wait_for(lambda: h.get("Job", "conv-convert"), what="conversion Job")
@@ -189,24 +193,13 @@ async def test_adapter_conversion(h):
     await h.wait_for_status("AdapterConversion", "conv", _phase("Running"))
     await h.job_finished("conv-convert")
     st = await h.wait_for_status("AdapterConversion", "conv", _phase("Succeeded"))
-    assert st["status"]["outputUri"] == "gs://runs-bucket/a/orbax"
+    assert st["status"]["outputUri"] == "gs://runs-bucket/conv/orbax"
     with pytest.raises(Rejected, match="spec.merged"):
-        await h.create({
-            "apiVersion": "lora-operator.dev/v1alpha1", "kind": "AdapterConversion", "metadata": {"name": "bad"},
-            "spec": {"source": {"uri": "a", "format": "hf-peft"}, "target": {"uri": "b", "format": "orbax"},
-                     "model": {"source": "m"}, "merged": True},
-        })
+        await h.create(adc("bad", merged=True))
 
 
 async def test_adapter_conversion_failure_fails_with_conversion_failed(h):
-    await h.create({
-        "apiVersion": "lora-operator.dev/v1alpha1", "kind": "AdapterConversion", "metadata": {"name": "conv-bad"},
-        "spec": {
-            "source": {"uri": "gs://runs-bucket/b/hf-adapter", "format": "hf-peft"},
-            "target": {"uri": "gs://runs-bucket/b/orbax", "format": "orbax"},
-            "model": {"source": "gs://models-bucket/llama"},
-        },
-    })
+    await h.create(adc("conv-bad"))
     await h.wait_for(lambda: h.get("Job", "conv-bad-convert"), what="conversion Job")
     await h.job_finished("conv-bad-convert", failed=True, message="Job has reached the specified backoff limit")
     st = await h.wait_for_status("AdapterConversion", "conv-bad", _phase("Failed"))
