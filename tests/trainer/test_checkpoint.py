@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from lora_trainer import checkpoint as ckpt
@@ -55,6 +58,83 @@ def test_write_read_lora_round_trip_local(tmp_path):
     _assert_tree_equal(tree2, tree)
     assert meta2["step"] == 7
     assert ckpt.read_metadata(f"file://{root}")["rank"] == 2
+
+
+def _layered_tree(seed: int, layers: int = 3) -> dict[str, dict[str, np.ndarray]]:
+    """Per-layer modules (stackable), plus one module outside the layers."""
+    rng = np.random.default_rng(seed)
+    tree = {
+        f"layers/{i}/{kind}": {
+            "w_lora_a": rng.standard_normal((8, 2)).astype(np.float32),
+            "w_lora_b": rng.standard_normal((2, *out)).astype(np.float32),
+        }
+        for i in range(layers)
+        for kind, out in (("attn/q_proj", (2, 4)), ("attn/kv_einsum/k_proj", (1, 4)))
+    }
+    tree["embedder"] = {"w_lora_a": rng.standard_normal((5, 2)).astype(np.float32)}
+    return tree
+
+
+def test_adapter_only_checkpoints_are_layer_stacked(tmp_path):
+    root = str(tmp_path / "adapter")
+    tree = _layered_tree(0)
+    ckpt.write_lora(root, 0, tree, META)
+    stored = ckpt.read_metadata(root)["loraLayout"]
+    assert stored == {"stacked": {"layers/{i}/attn/kv_einsum/k_proj": [0, 1, 2], "layers/{i}/attn/q_proj": [0, 1, 2]}}
+    got, meta = ckpt.read_lora(root)
+    _assert_tree_equal(got, tree)
+    assert list(got) == sorted(tree)
+    assert "loraLayout" not in meta  # the layout is undone, not passed on
+    # Stacked groups come back as views of one array per parameter, not as copies.
+    q = [got[f"layers/{i}/attn/q_proj"]["w_lora_a"] for i in range(3)]
+    assert q[0].base is not None and all(x.base is q[0].base for x in q)
+    # Orbax holds one array per stacked parameter.
+    assert (tmp_path / "adapter" / "0" / "lora" / "layers" / "{i}" / "attn" / "q_proj.w_lora_a").is_dir()
+    assert not (tmp_path / "adapter" / "0" / "lora" / "layers" / "0").exists()
+
+
+def test_unequal_or_odd_groups_stay_per_path(tmp_path):
+    tree = _layered_tree(1, layers=2)
+    tree["layers/1/attn/q_proj"]["w_lora_b"] = np.ones((2, 3, 4), np.float32)  # shapes differ from layer 0's
+    tree["layers/0/attn/kv_einsum/k_proj"]["w_lora_a"] = tree["layers/0/attn/kv_einsum/k_proj"]["w_lora_a"].astype(np.float16)
+    tree["blocks/07/mlp"] = {"w_lora_a": np.zeros((2, 2), np.float32)}  # `07` would not come back as `07`
+    tree["blocks/8/mlp"] = {"w_lora_a": np.zeros((2, 2), np.float32)}
+    tree["stages/3/only"] = {"w_lora_a": np.zeros((2, 2), np.float32)}  # a group of one
+    root = str(tmp_path / "adapter")
+    ckpt.write_lora(root, 0, tree, META)
+    assert ckpt.read_metadata(root)["loraLayout"] == {"stacked": {}}
+    got, _ = ckpt.read_lora(root)
+    _assert_tree_equal(got, tree)
+    assert got["layers/0/attn/kv_einsum/k_proj"]["w_lora_a"].dtype == np.float16
+
+
+def test_per_path_compressed_checkpoints_still_load(tmp_path):
+    """What earlier versions wrote (and training still writes per path): no layout record, zstd arrays."""
+    root = tmp_path / "old"
+    tree = _layered_tree(2)
+    mgr = ocp.CheckpointManager(
+        root,
+        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True),
+        item_handlers={
+            "lora": ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=True),
+            "metadata": ocp.JsonCheckpointHandler(),
+        },
+    )
+    mgr.save(3, args=ocp.args.Composite(lora=ocp.args.PyTreeSave(tree), metadata=ocp.args.JsonSave({**META, "step": 3})))
+    mgr.wait_until_finished()
+    mgr.close()
+    zarray = json.loads((root / "3" / "lora" / "layers" / "0" / "attn" / "q_proj.w_lora_a" / ".zarray").read_text())
+    assert zarray["compressor"]["id"] == "zstd"
+    got, meta = ckpt.read_lora(str(root))
+    _assert_tree_equal(got, tree)
+    assert meta == {**META, "step": 3}
+
+
+def test_new_checkpoints_are_uncompressed(tmp_path):
+    root = tmp_path / "adapter"
+    ckpt.write_lora(str(root), 0, _tree(0), META)
+    zarray = json.loads((root / "0" / "lora" / "layers" / "0" / "attn" / "q_proj.w_lora_a" / ".zarray").read_text())
+    assert zarray["compressor"] is None
 
 
 def test_write_lora_requires_full_metadata(tmp_path):
@@ -157,10 +237,12 @@ def test_gcs_round_trip_and_commit_marker(gcs_bucket):
 
 @pytest.mark.slow
 def test_gcs_many_arrays(gcs_bucket):
-    """A real adapter has hundreds of arrays; saving them concurrently must work on gs:// too."""
+    """A real adapter has hundreds of arrays: layer-stacked (with a per-path leftover) on gs:// too."""
     rng = np.random.default_rng(0)
     tree = {f"layers/{i}/mlp/up_proj": {"kernel_lora_a": rng.standard_normal((8, 2)).astype(np.float32),
                                          "kernel_lora_b": rng.standard_normal((2, 8)).astype(np.float32)} for i in range(40)}
+    tree["layers/7/attn/q_proj"] = {"w_lora_a": np.ones((3, 2), np.float32)}  # stays per path
     root = f"gs://{gcs_bucket}/test_checkpoint/many"
     ckpt.write_lora(root, 1, tree, META)
+    assert ckpt.read_metadata(root)["loraLayout"] == {"stacked": {"layers/{i}/mlp/up_proj": list(range(40))}}
     _assert_tree_equal(ckpt.read_lora(root)[0], tree)

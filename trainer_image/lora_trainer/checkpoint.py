@@ -7,7 +7,9 @@ Layout (docs/dev/contracts.md): `<output>/checkpoints/<step>/` written by an Orb
   - `data`: the data iterator's position (JSON; training checkpoints only),
   - `metadata`: what the adapter is (family, base model, rank, alpha, target regex, ...),
 so that export, conversion and resume need no repeated flags. An adapter-only checkpoint
-(`write_lora`, e.g. made by `convert hf-peft -> orbax`) has just `lora` and `metadata`.
+(`write_lora`, e.g. made by `convert hf-peft -> orbax`) has just `lora` and `metadata`, and
+stores its `lora` item layer-stacked (see `_stack_layers`); `read_lora` undoes that, so every
+caller sees the same per-path tree whichever layout a checkpoint has.
 
 Why only Orbax's own completion check decides what exists: locally Orbax writes into a
 temporary directory and renames it; on gs:// it writes in place and adds
@@ -36,6 +38,10 @@ METADATA = "metadata"
 
 #: Keys every checkpoint's `metadata` item carries (contracts.md); `write_lora` refuses less.
 METADATA_KEYS = ("family", "baseModel", "rank", "alpha", "dropout", "targetModules", "quantization", "modulePaths")
+#: The `metadata` key in which `write_lora` records how its `lora` item is laid out.
+LAYOUT = "loraLayout"
+#: What stands for the layer index in the key of a layer-stacked group (as in the families' templates).
+LAYER = "{i}"
 
 LoraTree = dict[str, dict[str, Any]]
 
@@ -88,18 +94,21 @@ def latest_committed_step(root: str) -> int | None:
 
 
 def _handlers(*items: str) -> dict[str, ocp.CheckpointHandler]:
-    """Orbax handlers per item. Arrays are written one zarr array each, without OCDBT.
+    """Orbax handlers per item. Arrays are written one zarr array each, without OCDBT or zstd.
 
     Why not OCDBT (Orbax's default): all arrays of an item then share one `manifest.ocdbt`
     updated with conditional writes, and against gcp-storage-emulator (the only GCS the
     tests can reach) saving a few dozen arrays fails with "Malformed StorageGeneration".
     LoRA checkpoints hold hundreds, not millions, of small arrays, so plain zarr costs
-    little, and tests and production then share one code path. Readers detect the format,
-    so OCDBT checkpoints written by other tools still load.
+    little, and tests and production then share one code path. Why no zstd: trained float
+    weights barely compress (random fp32: 155 of 168 MB) and compressing costs more time
+    than the bytes it saves. Readers detect the format (zarr records each array's
+    compressor), so OCDBT or compressed checkpoints written by other tools or earlier
+    versions still load.
     """
     table: dict[str, ocp.CheckpointHandler] = {
-        LORA: ocp.PyTreeCheckpointHandler(use_ocdbt=False),
-        OPTIMIZER: ocp.PyTreeCheckpointHandler(use_ocdbt=False),
+        LORA: ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=False),
+        OPTIMIZER: ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=False),
         DATA: ocp.JsonCheckpointHandler(),
         METADATA: ocp.JsonCheckpointHandler(),
     }
@@ -147,7 +156,9 @@ def read_lora(root: str, step: int | None = None) -> tuple[LoraTree, dict[str, A
     """LoRA params (numpy) and metadata of a committed step (latest by default).
 
     `root` is a checkpoint root (`<output>/checkpoints`, or an adapter-only checkpoint made
-    by `write_lora`) or one committed step directory inside it.
+    by `write_lora`) or one committed step directory inside it. The tree is per module path
+    whatever the stored layout; layer-stacked groups come back as views of their stacked
+    arrays (no copies), and the returned metadata lacks the layout record.
     """
     root, step = _split_step_dir(root, step)
     step = _resolve_step(root, step)
@@ -160,7 +171,9 @@ def read_lora(root: str, step: int | None = None) -> tuple[LoraTree, dict[str, A
                 metadata=ocp.args.JsonRestore(),
             ),
         )
-    return restored[LORA], dict(restored[METADATA])
+    metadata = dict(restored[METADATA])
+    layout = metadata.pop(LAYOUT, None) or {}
+    return _unstack_layers(restored[LORA], layout.get("stacked", {})), metadata
 
 
 def _check_metadata(metadata: Mapping[str, Any], where: str) -> None:
@@ -170,8 +183,13 @@ def _check_metadata(metadata: Mapping[str, Any], where: str) -> None:
 
 
 def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], metadata: Mapping[str, Any]) -> None:
-    """Write an adapter-only checkpoint (items `lora` + `metadata`) and wait until it is committed."""
+    """Write an adapter-only checkpoint (items `lora` + `metadata`) and wait until it is committed.
+
+    The `lora` item is stored layer-stacked (`_stack_layers`) and `metadata[LAYOUT]` records
+    which groups were stacked; `read_lora` restores the per-path tree.
+    """
     _check_metadata(metadata, root)
+    stored, stacked = _stack_layers(_as_dict_tree(tree))
     with _storage_faults(root):
         mgr = ocp.CheckpointManager(
             _path(root),
@@ -182,8 +200,8 @@ def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], meta
             mgr.save(
                 step,
                 args=ocp.args.Composite(
-                    lora=ocp.args.PyTreeSave(_as_dict_tree(tree)),
-                    metadata=ocp.args.JsonSave({**metadata, "step": step}),
+                    lora=ocp.args.PyTreeSave(stored),
+                    metadata=ocp.args.JsonSave({**metadata, "step": step, LAYOUT: {"stacked": stacked}}),
                 ),
                 force=True,
             )
@@ -195,6 +213,77 @@ def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], meta
 def _as_dict_tree(tree: Mapping[str, Mapping[str, Any]]) -> LoraTree:
     """Plain nested dicts, so the saved structure never depends on the caller's mapping types."""
     return {str(k): {str(n): v for n, v in sub.items()} for k, sub in tree.items()}
+
+
+def _layer_of(path: str) -> tuple[str, int] | None:
+    """`layers/3/attn/q_proj` -> (`layers/{i}/attn/q_proj`, 3): the first all-digit component is the layer.
+
+    None when the path has no such component, or when it is not written the way `str(int)`
+    writes it back (`03`), so that `_unstack_layers` always restores the exact path.
+    """
+    parts = path.split("/")
+    for k, part in enumerate(parts):
+        if part.isascii() and part.isdigit():
+            if str(int(part)) != part:
+                return None
+            return "/".join([*parts[:k], LAYER, *parts[k + 1 :]]), int(part)
+    return None
+
+
+def _stackable(members: list[dict[str, Any]]) -> bool:
+    """True when every member has the same parameter names, each with one shape and dtype."""
+    first = members[0]
+    return all(
+        m.keys() == first.keys() and all(np.shape(m[n]) == np.shape(first[n]) and m[n].dtype == first[n].dtype for n in first)
+        for m in members[1:]
+    )
+
+
+def _stack(arrays: list[Any]) -> np.ndarray:
+    """One array with a new leading axis, filled in place: one copy of each member, no temporaries."""
+    out = np.empty((len(arrays), *np.shape(arrays[0])), dtype=arrays[0].dtype)
+    for k, a in enumerate(arrays):
+        out[k] = a
+    return out
+
+
+def _stack_layers(tree: LoraTree) -> tuple[LoraTree, dict[str, list[int]]]:
+    """Group module paths that differ only by their layer index into one array per parameter.
+
+    Why: Orbax and TensorStore spend a fixed cost per array, which dominates for LoRA's many
+    small arrays (an 8B Llama adapter: 448 arrays, ~14x slower to write and ~8x slower to
+    read than the same bytes as 14 stacked arrays). A group `layers/{i}/attn/q_proj` holds
+    `{name: array[n_layers, ...]}` with the layers in ascending order; the returned
+    `{template: [layer, ...]}` is the layout record. Groups of one path, of unequal names,
+    shapes or dtypes, or whose template is itself a path, stay per path.
+    """
+    groups: dict[str, dict[int, str]] = {}
+    for path in tree:
+        found = _layer_of(path)
+        if found is not None:
+            groups.setdefault(found[0], {})[found[1]] = path
+    stored: LoraTree = {}
+    stacked: dict[str, list[int]] = {}
+    for template, members in sorted(groups.items()):
+        layers = sorted(members)
+        params = [tree[members[i]] for i in layers]
+        if len(layers) < 2 or template in tree or not _stackable(params):
+            continue
+        stored[template] = {name: _stack([p[name] for p in params]) for name in params[0]}
+        stacked[template] = layers
+    grouped = {members[i] for t, members in groups.items() if t in stacked for i in members}
+    stored.update({p: v for p, v in tree.items() if p not in grouped})
+    return stored, stacked
+
+
+def _unstack_layers(tree: LoraTree, stacked: Mapping[str, list[int]]) -> LoraTree:
+    """The per-path tree of a stored `lora` item; each stacked group becomes views of its arrays."""
+    out: LoraTree = {p: v for p, v in tree.items() if p not in stacked}
+    for template, layers in stacked.items():
+        params = tree[template]
+        for k, layer in enumerate(layers):
+            out[template.replace(LAYER, str(layer), 1)] = {n: a[k] for n, a in params.items()}
+    return dict(sorted(out.items()))
 
 
 @contextlib.contextmanager
