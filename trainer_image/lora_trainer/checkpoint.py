@@ -115,6 +115,19 @@ def _handlers(*items: str) -> dict[str, ocp.CheckpointHandler]:
     return {k: table[k] for k in items}
 
 
+def _write_lora_handler() -> ocp.PyTreeCheckpointHandler:
+    """`write_lora`'s `lora` handler: `_handlers`' format, without Orbax's defensive copy.
+
+    Orbax deep-copies every numpy array before writing, so that the caller of an async save
+    may change it meanwhile. `write_lora` saves synchronously from numpy arrays nobody
+    changes, so that copy would only add a pass over every byte (a third of `convert`'s time).
+    """
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+    )
+    return ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=False, type_handler_registry=registry)
+
+
 def _split_step_dir(root: str, step: int | None) -> tuple[str, int | None]:
     """Accept a step directory (`.../checkpoints/120`) wherever a root is expected."""
     path = _path(root)
@@ -194,7 +207,7 @@ def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], meta
         mgr = ocp.CheckpointManager(
             _path(root),
             options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True),
-            item_handlers=_handlers(LORA, METADATA),
+            item_handlers={**_handlers(METADATA), LORA: _write_lora_handler()},
         )
         try:
             mgr.save(
@@ -211,8 +224,9 @@ def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], meta
 
 
 def _as_dict_tree(tree: Mapping[str, Mapping[str, Any]]) -> LoraTree:
-    """Plain nested dicts, so the saved structure never depends on the caller's mapping types."""
-    return {str(k): {str(n): v for n, v in sub.items()} for k, sub in tree.items()}
+    """Plain nested dicts of numpy arrays, so the saved structure never depends on the caller's
+    mapping or array types (jax arrays are fetched to the host once, here)."""
+    return {str(k): {str(n): np.asarray(v) for n, v in sub.items()} for k, sub in tree.items()}
 
 
 def _layer_of(path: str) -> tuple[str, int] | None:
