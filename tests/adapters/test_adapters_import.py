@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 from lora_trainer.adapters.convert import convert
 from lora_trainer.adapters.logits import jax_logits
 from lora_trainer.adapters.peft_format import CONFIG_NAME, WEIGHTS_NAME
-from lora_trainer.checkpoint import read_lora
+from lora_trainer.checkpoint import LAYER, read_lora, read_metadata
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +48,10 @@ def test_checkpoint_records_what_the_adapter_is(imported):
     expected_scale = 8.0 / (math.sqrt(4) if raw["use_rslora"] else 4)
     assert meta["alpha"] / meta["rank"] == pytest.approx(expected_scale, rel=1e-12)
     assert meta["modulePaths"] == sorted(tree) and len(tree) == 2 * 7  # 2 layers x 7 projections
+    # Stored as one stacked array per projection and parameter (both layers share shapes).
+    stacked = read_metadata(str(orbax))["loraLayout"]["stacked"]
+    assert len(stacked) == 7 and all(layers == [0, 1] for layers in stacked.values())
+    assert {t.replace(LAYER, str(i)) for t in stacked for i in (0, 1)} == set(tree)
 
 
 def test_round_trip_is_bitwise(imported, tmp_path):

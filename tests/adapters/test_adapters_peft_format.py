@@ -35,6 +35,37 @@ def _written(tmp_path: Path, **config_overrides) -> Path:
     return d
 
 
+def test_safetensors_writer_is_read_bitwise_by_safetensors(tmp_path):
+    """Every layout the mapping produces (transposed, strided), and every float dtype, byte for byte."""
+    import ml_dtypes
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    rng = np.random.default_rng(3)
+    tensors = {
+        "t": rng.standard_normal((5, 3), np.float32).T,
+        "s": rng.standard_normal((3, 4, 5), np.float32)[:, ::2],
+        "c": rng.standard_normal((2, 3)),
+        "h": rng.standard_normal((2, 3)).astype(np.float16),
+        "be": rng.standard_normal((2, 3)).astype(">f4"),
+        "bf": rng.standard_normal((4, 2)).astype(ml_dtypes.bfloat16).T,
+        "empty": np.zeros((0, 3), np.float32),
+    }
+    path = tmp_path / "x.safetensors"
+    pf.write_safetensors(path, tensors, {"format": "pt"})
+    with safe_open(str(path), framework="np") as f:
+        assert f.metadata() == {"format": "pt"} and sorted(f.keys()) == sorted(tensors)
+        for key, want in tensors.items():
+            if key != "bf":  # numpy has no bfloat16 in safetensors; torch reads it below
+                got = f.get_tensor(key)
+                assert got.dtype == want.dtype.newbyteorder("<") and np.array_equal(got, want), key
+    bf = load_file(str(path))["bf"]
+    assert bf.dtype == torch.bfloat16 and np.array_equal(bf.float().numpy(), tensors["bf"].astype(np.float32))
+    with pytest.raises(ValueError, match="int32"):
+        pf.write_safetensors(tmp_path / "y.safetensors", {"i": np.zeros(2, np.int32)}, {})
+
+
 def test_round_trip_is_bitwise_and_peft_reads_it(tmp_path):
     from peft import LoraConfig
     from peft.utils import load_peft_weights

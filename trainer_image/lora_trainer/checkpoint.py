@@ -392,6 +392,8 @@ def step_uri(root: str, step: int) -> str:
 
 
 __all__ = [
+    "LAYER",
+    "LAYOUT",
     "METADATA_KEYS",
     "TrainingCheckpoints",
     "checkpoint_root",

@@ -20,14 +20,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from lora_trainer.errors import UserError
 
@@ -38,6 +39,13 @@ KEY_PREFIX = "base_model.model."
 #: `LoraConfig.lora_alpha`'s default, which applies when a config omits it.
 PEFT_DEFAULT_ALPHA = 8
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+#: safetensors' names of the (little-endian) floating dtypes an adapter may hold.
+_SAFETENSORS_DTYPES = {
+    np.dtype("<f8"): "F64",
+    np.dtype("<f4"): "F32",
+    np.dtype("<f2"): "F16",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+}
 
 
 @dataclass(frozen=True)
@@ -233,11 +241,52 @@ def read_peft_adapter(directory: Path) -> PeftLoraAdapter:
     return PeftLoraAdapter(hyper=hyper, modules=modules)
 
 
+def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+    """Write `tensors` (any memory layout) as one safetensors file, in key order.
+
+    Why not `safetensors.numpy.save_file`: it first copies every tensor into a new `bytes`
+    object (`tobytes`), and those 168 MB of fresh memory for an 8B adapter cost more than
+    the write itself. Here a C-contiguous tensor is written straight from its buffer and
+    any other (the transposed views the layout mapping makes) goes through one scratch
+    buffer reused for every tensor. The format: an 8-byte little-endian header length, a
+    JSON header `{key: {dtype, shape, data_offsets}, "__metadata__": {...}}` padded with
+    spaces to a multiple of 8 bytes, then the tensors' bytes back to back.
+    """
+    keys = sorted(tensors)
+    header: dict[str, Any] = {}
+    offset = 0
+    for key in keys:
+        arr = tensors[key]
+        dtype = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {key!r} has dtype {arr.dtype}, which an adapter file cannot hold")
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    scratch = np.empty(max((t.nbytes for t in tensors.values()), default=0), np.uint8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for key in keys:
+            f.write(_little_endian_c_order(tensors[key], scratch))
+
+
+def _little_endian_c_order(arr: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """The bytes (uint8) of `arr` in C order, little-endian: its own buffer when it already is, else a copy in `scratch`."""
+    if not arr.flags.c_contiguous or arr.dtype.byteorder == ">":
+        out = scratch[: arr.nbytes].view(arr.dtype.newbyteorder("<")).reshape(arr.shape)
+        np.copyto(out, arr)
+        arr = out
+    return arr.reshape(-1).view(np.uint8)
+
+
 def write_peft_adapter(directory: Path, adapter: PeftLoraAdapter) -> None:
     """Write `adapter_config.json` and `adapter_model.safetensors` into an existing local directory."""
     tensors: dict[str, np.ndarray] = {}
     for module, (a, b) in sorted(adapter.modules.items()):
-        tensors[f"{KEY_PREFIX}{module}.lora_A.weight"] = a  # `save_file` serialises any layout in C order
+        tensors[f"{KEY_PREFIX}{module}.lora_A.weight"] = a  # any layout: written in C order
         tensors[f"{KEY_PREFIX}{module}.lora_B.weight"] = b
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    write_safetensors(directory / WEIGHTS_NAME, tensors, {"format": "pt"})
     (directory / CONFIG_NAME).write_text(json.dumps(config_json(adapter.hyper), indent=2, sort_keys=True) + "\n")
