@@ -127,6 +127,16 @@ def test_missing_config_names_the_file(tmp_path):
         pf.read_peft_adapter(d)
 
 
+def test_weights_are_read_as_views_of_the_file(tmp_path):
+    """No copy on read: the tensors are read-only views of one memory map, with the written values."""
+    adapter = pf.read_peft_adapter(_written(tmp_path))
+    arrays = [x for ab in adapter.modules.values() for x in ab]
+    assert all(isinstance(x.base, np.memmap) and not x.flags.writeable for x in arrays)
+    for module, (a, b) in _adapter().modules.items():
+        np.testing.assert_array_equal(adapter.modules[module][0], a)
+        np.testing.assert_array_equal(adapter.modules[module][1], b)
+
+
 def test_truncated_weights_name_the_file(tmp_path):
     d = _written(tmp_path)
     data = (d / pf.WEIGHTS_NAME).read_bytes()

@@ -40,12 +40,13 @@ KEY_PREFIX = "base_model.model."
 PEFT_DEFAULT_ALPHA = 8
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 #: safetensors' names of the (little-endian) floating dtypes an adapter may hold.
-_SAFETENSORS_DTYPES = {
-    np.dtype("<f8"): "F64",
-    np.dtype("<f4"): "F32",
-    np.dtype("<f2"): "F16",
-    np.dtype(ml_dtypes.bfloat16): "BF16",
+SAFETENSORS_DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
 }
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -173,14 +174,32 @@ def config_json(hyper: LoraHyper) -> dict[str, Any]:
 
 
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of a safetensors file; a truncated or corrupt file is a UserError naming it."""
+    """All tensors of a safetensors file, as read-only views of one memory map of it.
+
+    Why not `safe_open(...).get_tensor`: it copies every tensor into fresh memory, a pass
+    over the whole adapter that the conversion then copies once more into its own layout.
+    `safe_open` still checks the file first (header, offsets, size), so a truncated or
+    corrupt file is a UserError naming it before any view is made.
+    """
     try:
-        with safe_open(str(path), framework="np") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        with safe_open(str(path), framework="np"):
+            pass
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(
             f"{path} is not a readable safetensors file ({e}); it may be truncated or corrupt: copy it again"
         ) from e
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    (header_len,) = struct.unpack("<Q", data[:8].tobytes())
+    header = json.loads(data[8 : 8 + header_len].tobytes())
+    header.pop("__metadata__", None)
+    start = 8 + header_len
+    tensors: dict[str, np.ndarray] = {}
+    for key, info in header.items():
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise UserError(f"{path}: tensor {key!r} has dtype {info['dtype']}, expected a floating-point dtype")
+        begin, end = info["data_offsets"]
+        tensors[key] = data[start + begin : start + end].view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return tensors
 
 
 def group_modules(tensors: Mapping[str, np.ndarray], hyper: LoraHyper, path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -258,9 +277,9 @@ def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: M
     for key in keys:
         arr = tensors[key]
         dtype = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
-        if dtype not in _SAFETENSORS_DTYPES:
+        if dtype not in _SAFETENSORS_NAMES:
             raise ValueError(f"tensor {key!r} has dtype {arr.dtype}, which an adapter file cannot hold")
-        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        header[key] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
         offset += arr.nbytes
     header["__metadata__"] = dict(metadata)
     raw = json.dumps(header, separators=(",", ":")).encode()
