@@ -25,6 +25,7 @@ from flax import nnx
 
 from lora_trainer.config import LoraSpec
 from lora_trainer.errors import UserError
+from lora_trainer.lora_provider import LoraProvider
 from lora_trainer.models.forward import positions_and_mask
 from lora_trainer.models.spec import FamilySpec
 
@@ -119,7 +120,7 @@ def apply_lora(
         if quant.tile_size is not None:
             _check_tile_size(quant.tile_size, matched, family)
         qwix_args = {"weight_qtype": QTYPES[quant.weight_qtype], "tile_size": quant.tile_size}
-    provider = qwix.LoraProvider(
+    provider = LoraProvider(
         module_path=regex,
         rank=lora_spec.rank,
         alpha=lora_spec.alpha,
