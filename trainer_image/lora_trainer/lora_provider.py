@@ -66,11 +66,32 @@ def lora_delta(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, scale: float
     return _forward(spec, x, a, b, scale)[0]
 
 
+def _contract(lhs_sub: str, rhs_sub: str, out_sub: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """`einsum(f"{lhs_sub},{rhs_sub}->{out_sub}")` as one dot_general with `lhs` as its first operand.
+
+    `jnp.einsum` may pick the operand order itself; XLA then decides which operand to copy
+    into a transposed layout from that order, so it is fixed here. Letters in both operands
+    and the output are batch dims, in both only are contracted; the result (dot_general's
+    batch, lhs-free, rhs-free order) is transposed to `out_sub`, which costs little when
+    the output is rank-sized.
+    """
+    batch = [c for c in lhs_sub if c in rhs_sub and c in out_sub]
+    contract = [c for c in lhs_sub if c in rhs_sub and c not in out_sub]
+    dims = (
+        (tuple(lhs_sub.index(c) for c in contract), tuple(rhs_sub.index(c) for c in contract)),
+        (tuple(lhs_sub.index(c) for c in batch), tuple(rhs_sub.index(c) for c in batch)),
+    )
+    got = "".join(batch) + "".join(c for c in lhs_sub if c not in rhs_sub) + "".join(c for c in rhs_sub if c not in lhs_sub)
+    dtype = jnp.result_type(lhs, rhs)  # jnp.einsum's promotion (a bfloat16 base with float32 LoRA params)
+    out = jax.lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dims)
+    return out if got == out_sub else jnp.transpose(out, [got.index(c) for c in out_sub])
+
+
 def _forward(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
     s = _subscripts(spec)
     assert s is not None, spec
-    h = jnp.einsum(f"{s.x},{s.a}->{s.h}", x, a) * scale
-    return jnp.einsum(f"{s.h},{s.b}->{s.out}", h, b), h
+    h = _contract(s.x, s.a, s.h, x, a) * scale
+    return _contract(s.h, s.b, s.out, h, b), h
 
 
 def _lora_delta_fwd(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> tuple[jax.Array, tuple]:
@@ -82,10 +103,10 @@ def _lora_delta_bwd(spec: str, scale: float, res: tuple, g: jax.Array) -> tuple[
     """Gradients with the rank-r operand first in each dot, so XLA transposes only small tensors."""
     x, a, b, h = res
     s = _subscripts(spec)
-    gh = jnp.einsum(f"{s.out},{s.b}->{s.h}", g, b) * scale
-    db = jnp.einsum(f"{s.h},{s.out}->{s.b}", h, g)
-    da = jnp.einsum(f"{s.h},{s.x}->{s.a}", gh, x)
-    dx = jnp.einsum(f"{s.h},{s.a}->{s.x}", gh, a)
+    gh = _contract(s.out, s.b, s.h, g, b) * scale
+    db = _contract(s.h, s.out, s.b, h, g)
+    da = _contract(s.h, s.x, s.a, gh, x)
+    dx = _contract(s.h, s.a, s.x, gh, a)
     return dx.astype(x.dtype), da.astype(a.dtype), db.astype(b.dtype)
 
 
