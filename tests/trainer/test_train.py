@@ -14,10 +14,10 @@ from trainer_fixtures import arithmetic_rows, parse, tiny_llama, train_config, w
 from lora_trainer import checkpoint, data, schedule
 from lora_trainer.config import DatasetSpec, LoraSpec, TrainingSpec
 from lora_trainer.errors import UserError
-from lora_trainer.lora import apply_lora, lora_state
+from lora_trainer.lora import apply_lora, lora_state, set_lora_state
 from lora_trainer.models import load_model
 from lora_trainer.progress import format_eta, progress_record
-from lora_trainer.train import incompatibilities, make_trainer, run_training
+from lora_trainer.train import incompatibilities, lm_loss, make_trainer, model_inputs, run_training
 
 PROGRESS_KEYS = {
     "step", "totalSteps", "loss", "learningRate", "tokensPerSecond", "stepTimeSeconds",
@@ -57,6 +57,30 @@ def test_only_lora_params_train_and_loss_falls(tmp_path):
     for path, params in lora_before.items():
         for name, before in params.items():
             assert not np.array_equal(before, np.asarray(lora_after[path][name])), f"LoRA param {path}/{name} did not train"
+
+
+def test_eval_runs_without_lora_dropout_and_training_with_it(tmp_path):
+    loaded = load_model(str(tiny_llama()), dtype="float32")
+    noisy = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0, dropout=0.5), loaded.family, seed=0).model
+    plain = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0).model
+    rng = np.random.default_rng(3)
+    params = {p: {n: rng.standard_normal(np.shape(v)).astype(np.float32) for n, v in d.items()} for p, d in lora_state(noisy).items()}
+    set_lora_state(noisy, params)
+    set_lora_state(plain, params)
+    spec = DatasetSpec(train=write_jsonl(tmp_path / "t.jsonl", arithmetic_rows(16)), max_seq_len=32)
+    tok = data.load_tokenizer(tiny_llama())
+    stream = data.BatchStream(data.to_sequences(data.tokenize_file(spec.train, spec, tok), spec), global_batch=4, seq_len=32, seed=0, pad_id=tok.pad_token_id)
+    batch = next(stream)
+    expected = float(lm_loss(plain, **model_inputs({k: jax.numpy.asarray(v) for k, v in batch.items()}))[0])
+
+    trainer = make_trainer(noisy, TrainingSpec(steps=2, learning_rate=1e-9, schedule="constant"))
+    evals = []
+    for _ in range(2):
+        trainer.train([], eval_ds=[batch])
+        evals.append(float(trainer.eval_aux.pop()["loss"]))
+    assert evals == pytest.approx([expected, expected], rel=1e-5)
+    trainer.train([batch])
+    assert abs(float(trainer.train_aux[-1]["loss"]) - expected) > 1e-3  # the train step still drops out
 
 
 def test_learning_rate_schedules():

@@ -136,7 +136,7 @@ def apply_lora(
     )
     if lora_spec.dropout > 0:
         # Qwix draws dropout keys from `module.qwix_rngs`, which it clears after the dummy forward;
-        # without this every later call fails. Note Qwix applies LoRA dropout on every call.
+        # without this every later call fails. Evaluation traces without dropout (`no_lora_dropout`).
         lora_model.set_attributes(qwix_rngs=nnx.Rngs(dropout=seed + 1))
     unused = provider.get_unused_rules()
     if unused:

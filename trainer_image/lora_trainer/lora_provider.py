@@ -17,9 +17,11 @@ path); `tests/trainer/test_lora_provider.py` checks loss and gradients against
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import string
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -129,9 +131,23 @@ def dot_general_spec(lhs_ndim: int, lhs_ca: Sequence[int], lhs_ba: Sequence[int]
     return f"{''.join(x)},{batch}{contract}{rank},{batch}{rank}{remain}->{batch}{free}{remain}"
 
 
+#: True while a function is traced that must not drop out (evaluation). Read at trace time.
+_DROPOUT_OFF = contextvars.ContextVar("lora_dropout_off", default=False)
+
+
+@contextlib.contextmanager
+def no_lora_dropout() -> Iterator[None]:
+    """Trace the model without LoRA dropout (Qwix itself applies it on every call, eval included)."""
+    token = _DROPOUT_OFF.set(True)
+    try:
+        yield
+    finally:
+        _DROPOUT_OFF.reset(token)
+
+
 def _dropout(lhs: jax.Array, rate: float) -> jax.Array:
-    """Qwix's LoRA dropout, unchanged (it draws keys from the module's `qwix_rngs`)."""
-    if rate <= 0:
+    """Qwix's LoRA dropout (keys from the module's `qwix_rngs`), skipped under `no_lora_dropout`."""
+    if rate <= 0 or _DROPOUT_OFF.get():
         return lhs
     return nnx.Dropout(rate, deterministic=False)(lhs, rngs=flax_util.make_rng("dropout"))
 

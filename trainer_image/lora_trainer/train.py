@@ -42,6 +42,7 @@ from lora_trainer import metrics as mfu_metrics
 from lora_trainer.config import TrainConfig, TrainingSpec
 from lora_trainer.errors import RetriableError, UserError
 from lora_trainer.lora import apply_lora, lora_state, resolve_target_regex, set_lora_state
+from lora_trainer.lora_provider import no_lora_dropout
 from lora_trainer.models import load_model
 from lora_trainer.progress import ProgressCallback, ProgressSink, progress_record
 
@@ -142,6 +143,11 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
         if not mesh.empty:
             for obj in (self.model, self.optimizer):
                 nnx.update(obj, jax.tree.map(functools.partial(_replicated_on, mesh), nnx.state(obj)))
+
+    def _eval_step(self, model: nnx.Module, inputs: Any) -> Any:
+        """Tunix's eval step, traced without LoRA dropout so eval loss is deterministic."""
+        with no_lora_dropout():
+            return super()._eval_step(model, inputs)
 
     def _post_process_eval_step(self, aux: Any) -> None:
         self.eval_aux.append(aux)
