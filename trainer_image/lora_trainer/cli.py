@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from lora_trainer import exit_codes
-from lora_trainer.errors import TrainerError
+from lora_trainer.errors import TrainerError, device_oom_message
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,6 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "a smaller training.globalBatchSize or dataset.maxSeqLen, or quantize the base (lora.quantization).",
             file=sys.stderr,
         )
+        return exit_codes.USER_ERROR
+    except Exception as e:
+        message = device_oom_message(e, args.command)
+        if message is None:
+            raise
+        print(f"lora-trainer {args.command}: error: {message}", file=sys.stderr)
         return exit_codes.USER_ERROR
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from lora_trainer import exit_codes
 
 
@@ -21,3 +23,48 @@ class RetriableError(TrainerError):
     """A transient fault (storage outage, preemption): the JobSet restarts and the run resumes."""
 
     exit_code = exit_codes.RETRIABLE
+
+
+#: Class names XLA raises its runtime errors as (`jax.errors.JaxRuntimeError`; jaxlib < 0.5 `XlaRuntimeError`).
+_XLA_ERROR_CLASSES = frozenset({"JaxRuntimeError", "XlaRuntimeError"})
+#: XLA's status code for a failed allocation, at the start of the error message.
+_XLA_OOM = "RESOURCE_EXHAUSTED:"
+#: Sizes as XLA states them: "allocate 1234 bytes", "allocating 8589934592 bytes", "allocate 1.23G".
+_ALLOCATION = re.compile(r"allocat\w*\s+(?:(\d+)\s*bytes|(\d+(?:\.\d+)?\s*[KMGT]i?B?)\b)", re.IGNORECASE)
+#: How a train config lowers memory per chip, field by field (the CR's spec uses the same names).
+_TRAIN_OOM_FIXES = (
+    "a smaller training.globalBatchSize, or the same batch split into micro-batches with a larger "
+    "training.gradientAccumulation; a shorter dataset.maxSeqLen; model.dtype bfloat16 if it is float32; "
+    "QLoRA via lora.quantization (e.g. weightQtype: nf4); or more chips (spec.tpu.topology, spec.tpu.slices) "
+    "with training.mesh.fsdp unset or raised so the weights are sharded over all of them"
+)
+
+
+def device_oom_message(exc: BaseException, command: str) -> str | None:
+    """The fix-it paragraph when `exc` is XLA running out of accelerator memory, else None.
+
+    Why a user error: the same config allocates the same buffers again, so a JobSet restart
+    would only burn `maxRestarts`. Matched by class name so that classifying needs no JAX
+    import (commands import it lazily) and older jaxlib's `XlaRuntimeError` matches too;
+    RESOURCE_EXHAUSTED must also mention memory or an allocation, so that other exhausted
+    resources (e.g. a gRPC limit between hosts) keep their traceback.
+    """
+    if not any(c.__name__ in _XLA_ERROR_CLASSES for c in type(exc).__mro__):
+        return None
+    text = str(exc).strip()
+    if not text.startswith(_XLA_OOM) or not re.search(r"memory|allocat", text, re.IGNORECASE):
+        return None
+    found = _ALLOCATION.search(text)
+    size = ""
+    if found:
+        size = f" of {_gib(int(found[1]))}" if found[1] else f" of {found[2]}"
+    fixes = _TRAIN_OOM_FIXES if command == "train" else "run it on a machine with more accelerator memory"
+    return (
+        f"out of accelerator memory: XLA could not make an allocation{size} ({text.splitlines()[0][:300]}). "
+        f"The same settings will run out again, so this is not retried. Lower the memory needed per chip: {fixes}."
+    )
+
+
+def _gib(n: int) -> str:
+    """Bytes in the unit people size accelerators in."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**20 else f"{n} bytes"
