@@ -100,6 +100,8 @@ def test_unequal_or_odd_groups_stay_per_path(tmp_path):
     tree["blocks/07/mlp"] = {"w_lora_a": np.zeros((2, 2), np.float32)}  # `07` would not come back as `07`
     tree["blocks/8/mlp"] = {"w_lora_a": np.zeros((2, 2), np.float32)}
     tree["stages/3/only"] = {"w_lora_a": np.zeros((2, 2), np.float32)}  # a group of one
+    for i in (0, 1):  # a path that already holds the placeholder
+        tree[f"odd{{i}}/{i}/x"] = {"w_lora_a": np.full((2,), i, np.float32)}
     root = str(tmp_path / "adapter")
     ckpt.write_lora(root, 0, tree, META)
     assert ckpt.read_metadata(root)["loraLayout"] == {"stacked": {}}
