@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,3 +116,21 @@ def test_diverged_checkpoint_is_not_exported(good, tmp_path):
     with pytest.raises(UserError, match="layers/0/attn/v_proj/w_lora_b of step 5 holds NaN or Inf"):
         export_checkpoint(str(tmp_path / "diverged"), str(out_parent / "hf"))
     assert list(out_parent.iterdir()) == []
+
+
+def test_convert_and_export_processes_never_import_tunix_or_torch(good, tmp_path):
+    """A conversion Job or the export hook needs only the weight tables: Tunix (and through it
+    torch, pandas, tensorboardX) would add seconds to every such process. Checked on real CLI
+    processes with Python's own import log."""
+    base, adapter = good
+    runs = [
+        ["convert", "--from", "hf-peft", "--to", "orbax", "--source", str(adapter), "--out", str(tmp_path / "orbax"), "--base", str(base)],
+        ["export", "--checkpoint", str(tmp_path / "orbax"), "--out", str(tmp_path / "peft")],
+    ]
+    for argv in runs:
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "lora_trainer.cli", *argv], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == exit_codes.OK, proc.stderr[-2000:]
+        imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+        assert "lora_trainer.adapters.peft_format" in imported  # the log is real
+        assert not {"tunix", "torch", "pandas"} & imported, argv[0]
+    assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()

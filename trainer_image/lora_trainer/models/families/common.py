@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lora_trainer.errors import UserError
@@ -94,3 +95,17 @@ def llama_style_tables(extra: tuple[WeightRule, ...] = ()) -> tuple[tuple[Weight
         for hf_mod, nnx_mod, *_ in _PROJECTIONS
     )
     return weights, targets
+
+
+def lazy_build(module: str) -> Callable[[Mapping[str, Any], Any, Any], Any]:
+    """The `build` of `module`, imported at its first call.
+
+    Why: the family's model code imports Tunix, which pulls in torch, pandas and
+    tensorboardX (~3 s). Export and conversion need only the weight and LoRA tables, so an
+    AdapterConversion Job or the post-training export never pays for it.
+    """
+
+    def build(hf_config: Mapping[str, Any], dtype: Any, rngs: Any) -> Any:
+        return importlib.import_module(module).build(hf_config, dtype, rngs)
+
+    return build

@@ -1,0 +1,42 @@
+"""Llama 3.x (3, 3.1, 3.2) on Tunix's llama3 model, with rope taken from config.json.
+
+Tunix's attention hard-codes theta 1e6 and has no Llama 3.1 `rope_scaling`; the subclass
+below runs the forward pass under the model's own RopeSpec (see models/rope.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+from tunix.models.llama3 import model as tunix_llama3
+
+from lora_trainer.models import rope
+from lora_trainer.models.families.common import decoder_dims, require
+
+rope.install_seam(tunix_llama3)
+
+
+class Llama3(rope.RopeFromConfig, tunix_llama3.Llama3):
+    """Tunix Llama3 whose attention uses the RopeSpec from config.json."""
+
+
+def tunix_config(hf_config: Mapping[str, Any]) -> tunix_llama3.ModelConfig:
+    """Tunix ModelConfig with every hyperparameter from config.json."""
+    require(hf_config, "llama3", "hidden_act", ("silu",), "silu")
+    require(hf_config, "llama3", "attention_bias", (False,), False)
+    require(hf_config, "llama3", "mlp_bias", (False,), False)
+    return tunix_llama3.ModelConfig(
+        **decoder_dims(hf_config),
+        rope_theta=rope.hf_rope(hf_config).theta,  # informational: Tunix ignores it, self.rope_spec is used
+        norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)),
+        weight_tying=bool(hf_config.get("tie_word_embeddings", False)),
+    )
+
+
+def build(hf_config: Mapping[str, Any], dtype: jnp.dtype, rngs: nnx.Rngs) -> Llama3:
+    """The NNX model for config.json (computes in the dtype of the weights it is given)."""
+    del dtype  # Tunix llama3 computes in its parameters' dtype; the loader casts them.
+    return Llama3(tunix_config(hf_config), rope_spec=rope.hf_rope(hf_config), rngs=rngs)

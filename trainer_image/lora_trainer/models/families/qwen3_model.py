@@ -1,0 +1,44 @@
+"""Qwen3 (dense) on Tunix's qwen3 model, with rope taken from config.json.
+
+Tunix's qwen3 attention, like llama3's, ignores `config.rope_theta`; the subclass runs
+the forward pass under the model's own RopeSpec (see models/rope.py). MoE Qwen3 models
+(`qwen3_moe`) are a different model_type and not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+from tunix.models.qwen3 import model as tunix_qwen3
+
+from lora_trainer.models import rope
+from lora_trainer.models.families.common import decoder_dims, require
+
+rope.install_seam(tunix_qwen3)
+
+
+class Qwen3(rope.RopeFromConfig, tunix_qwen3.Qwen3):
+    """Tunix Qwen3 whose attention uses the RopeSpec from config.json."""
+
+
+def tunix_config(hf_config: Mapping[str, Any], dtype: jnp.dtype = jnp.float32) -> tunix_qwen3.ModelConfig:
+    """Tunix ModelConfig with every hyperparameter from config.json."""
+    require(hf_config, "qwen3", "hidden_act", ("silu",), "silu")
+    require(hf_config, "qwen3", "attention_bias", (False,), False)
+    require(hf_config, "qwen3", "use_sliding_window", (False, None), False)
+    return tunix_qwen3.ModelConfig(
+        **decoder_dims(hf_config),
+        rope_theta=rope.hf_rope(hf_config).theta,  # informational: Tunix ignores it, self.rope_spec is used
+        norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        use_tied_embedding=bool(hf_config.get("tie_word_embeddings", False)),
+        dtype=dtype,
+        param_dtype=dtype,
+    )
+
+
+def build(hf_config: Mapping[str, Any], dtype: jnp.dtype, rngs: nnx.Rngs) -> Qwen3:
+    """The NNX model for config.json, computing in `dtype`."""
+    return Qwen3(tunix_config(hf_config, dtype), rope_spec=rope.hf_rope(hf_config), rngs=rngs)
