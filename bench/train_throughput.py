@@ -36,6 +36,12 @@ import report  # bench/ is on sys.path when a script here runs
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "trainer_image"))
+from lora_trainer import host_memory  # noqa: E402
+
+# As `run_training` does in production, before any JAX or torch thread exists; torch's
+# allocations in this process benefit alike, so the comparison stays like for like.
+HOST_MEMORY_TUNED = host_memory.retain_freed_memory()
 SECTION = "## Trainer"
 SHAPE = {
     "num_hidden_layers": 4,
@@ -50,6 +56,10 @@ SHAPE = {
 BATCH, SEQ, RANK, ALPHA = 8, 256, 16, 32.0
 #: The trainer measured (for its compile count).
 TRAINER: list[Any] = []
+#: XLA's FLOP count (cost analysis of the compiled step) per row.
+FLOPS: dict[str, float] = {}
+#: The LM head's matmul, [batch*seq, hidden] x [hidden, vocab]: the step's largest, the machine's best case.
+MATMUL = (BATCH * SEQ, 512, 8192)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -123,13 +133,28 @@ def jax_steps(model_dir: Path, *, full: bool) -> dict[str, Callable[[], Any]]:
 
         return lambda: jax.block_until_ready(step(model, opt, inputs))
 
+    def grads(wrt: Any) -> Callable[..., Any]:
+        return nnx.jit(lambda m, i: nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, wrt), has_aux=True)(m, **i))
+
     bare_model = lora_model()
     out["raw lora"] = bare_step(bare_model, nnx.LoRAParam)
+    FLOPS["raw lora"] = _xla_flops(grads(nnx.LoRAParam), bare_model, inputs)
     forward = nnx.jit(lambda m, i: lm_loss(m, **i)[0])
     out["forward"] = lambda: jax.block_until_ready(forward(bare_model, inputs))
+    FLOPS["forward"] = _xla_flops(forward, bare_model, inputs)
     if full:
-        out["full ft"] = bare_step(load_model(str(model_dir), dtype="float32").model, nnx.Param)
+        full_model = load_model(str(model_dir), dtype="float32").model
+        out["full ft"] = bare_step(full_model, nnx.Param)
+        FLOPS["full ft"] = _xla_flops(grads(nnx.Param), full_model, inputs)
+    a, b = jax.numpy.ones(MATMUL[:2]), jax.numpy.ones(MATMUL[1:])
+    matmul = jax.jit(jax.numpy.matmul)
+    out["jax matmul"] = lambda: jax.block_until_ready(matmul(a, b))
     return out
+
+
+def _xla_flops(fn: Any, *args: Any) -> float:
+    """XLA's own FLOP count of the compiled function (its cost analysis); gradients only, no optimizer."""
+    return float(fn.lower(*args).compile().cost_analysis()["flops"])
 
 
 def torch_step(model_dir: Path) -> Callable[[], Any]:
@@ -153,6 +178,14 @@ def torch_step(model_dir: Path) -> Callable[[], Any]:
     return step
 
 
+def torch_matmul() -> Callable[[], Any]:
+    """The LM head's matmul in torch (float32), the same shapes as the JAX row."""
+    import torch
+
+    a, b = torch.ones(MATMUL[:2]), torch.ones(MATMUL[1:])
+    return lambda: torch.matmul(a, b)
+
+
 def _compiles() -> int:
     """Compilations of the trainer's jitted step over the whole bench (warm-up and timed rounds)."""
     return int(TRAINER[0]._jitted_train_step_fn.func.jitted_fn._cache_size())
@@ -160,17 +193,23 @@ def _compiles() -> int:
 
 def _section(r: dict[str, float], load: float, steps: int) -> str:
     tok = BATCH * SEQ
+    mm_flops = 2.0 * MATMUL[0] * MATMUL[1] * MATMUL[2]
     rows = [
-        ("trainer: Tunix PeftTrainer step (production path)", r["trainer"]),
-        ("bare `nnx.jit` LoRA step (same loss, LoRA-only grads)", r["raw lora"]),
-        ("bare `nnx.jit` full fine-tune step", r["full ft"]),
-        ("forward only (loss)", r["forward"]),
-        ("torch 2.13 + transformers + peft LoRA step", r["torch"]),
+        ("trainer: Tunix PeftTrainer step (production path)", r["trainer"], FLOPS["raw lora"]),
+        ("bare `nnx.jit` LoRA step (same loss, LoRA-only grads)", r["raw lora"], FLOPS["raw lora"]),
+        ("bare `nnx.jit` full fine-tune step", r["full ft"], FLOPS["full ft"]),
+        ("forward only (loss)", r["forward"], FLOPS["forward"]),
+        ("torch 2.13 + transformers + peft LoRA step", r["torch"], None),
     ]
-    table = "\n".join(f"| {name} | {t:.3f} | {tok / t:,.0f} |" for name, t in rows)
+    table = "\n".join(
+        f"| {name} | {t:.3f} | {tok / t:,.0f} | {f / 1e9:.0f} | {f / t / 1e9:.0f} |" if f else f"| {name} | {t:.3f} | {tok / t:,.0f} | | |"
+        for name, t, f in rows
+    )
     ratio = r["torch"] / r["trainer"]
     frac = r["trainer"] / r["full ft"]
     met = "met" if ratio >= 1.5 else "NOT met"
+    peak = mm_flops / r["jax matmul"]
+    floor = FLOPS["raw lora"] / peak
     return f"""{SECTION}
 
 `bench/train_throughput.py` (run by hand): a Llama-3-shaped model (4 layers, hidden 512,
@@ -179,15 +218,22 @@ def _section(r: dict[str, float], load: float, steps: int) -> str:
 row, all in one run, median of {steps} rounds after 2 warm-up steps, the rows measured round-robin
 (one step of each per round) so that other load hits every row alike. Machine: {platform.machine()},
 {os.cpu_count()} CPUs shared with other work (1-minute load average {load:.1f} at the end), JAX CPU.
+GFLOP is XLA's own count for the compiled loss + gradients (its cost analysis). glibc malloc
+tuned as `run_training` tunes it (`lora_trainer.host_memory`): {"yes" if HOST_MEMORY_TUNED else "NO"}.
 
-| step | seconds | tokens/s |
-|---|---|---|
+| step | seconds | tokens/s | GFLOP | GFLOP/s |
+|---|---|---|---|---|
 {table}
 
 Trainer vs torch+peft: **{ratio:.2f}x** (target >= 1.5: {met}). LoRA step / full fine-tune
-step: **{frac:.2f}** (physical floor ~0.67). Tunix's per-step overhead over a bare jitted
-step: {r["trainer"] - r["raw lora"]:+.3f} s. The trainer's step compiled {_compiles()} time(s) in
-{steps + 2} steps. Measured {time.strftime("%Y-%m-%d")}.
+step: **{frac:.2f}** in time, **{FLOPS["raw lora"] / FLOPS["full ft"]:.2f}** in FLOPs (physical floor ~0.67).
+Tunix's per-step overhead over a bare jitted step: {r["trainer"] - r["raw lora"]:+.3f} s. The trainer's step
+compiled {_compiles()} time(s) in {steps + 2} steps.
+The machine's best case in the same run, the LM head's matmul alone ({MATMUL[0]} x {MATMUL[1]} x {MATMUL[2]}, float32):
+JAX {r["jax matmul"] * 1e3:.0f} ms = {peak / 1e9:.0f} GFLOP/s, torch {r["torch matmul"] * 1e3:.0f} ms =
+{mm_flops / r["torch matmul"] / 1e9:.0f} GFLOP/s. At that rate the LoRA step's {FLOPS["raw lora"] / 1e9:.0f} GFLOP cannot take
+less than {floor:.3f} s, so no float32 LoRA step on this machine can beat this torch step by more than
+{r["torch"] / floor:.2f}x. Measured {time.strftime("%Y-%m-%d")}.
 """
 
 
@@ -197,7 +243,6 @@ def main() -> int:
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--jax-only", action="store_true", help="only the trainer step on the default JAX backend (+ MFU)")
     args = p.parse_args()
-    sys.path.insert(0, str(ROOT / "trainer_image"))
     from lora_trainer.tiny_models import make_tiny_hf_model
 
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
@@ -219,7 +264,7 @@ def main() -> int:
             kinds = [d.device_kind for d in jax.devices()[:1]]
             print(f"{kinds[0]}: trainer step {r['trainer']:.4f} s, {tps:,.0f} tokens/s, mfu {metrics.mfu(tps, fpt, kinds)}")
             return 0
-        r = _interleaved({**jax_steps(model_dir, full=True), "torch": torch_step(model_dir)}, 2, args.steps)
+        r = _interleaved({**jax_steps(model_dir, full=True), "torch": torch_step(model_dir), "torch matmul": torch_matmul()}, 2, args.steps)
     for k, v in r.items():
         print(f"{k:10s} {v:.3f} s  {BATCH * SEQ / v:,.0f} tokens/s")
     print(f"trainer step compiles: {_compiles()}")

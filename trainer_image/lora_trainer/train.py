@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 from tunix.sft import peft_trainer
 
-from lora_trainer import checkpoint, data, distributed, schedule, storage
+from lora_trainer import checkpoint, data, distributed, host_memory, schedule, storage
 from lora_trainer import metrics as mfu_metrics
 from lora_trainer.config import TrainConfig, TrainingSpec
 from lora_trainer.errors import RetriableError, UserError
@@ -357,6 +357,7 @@ def run_training(cfg: TrainConfig, *, on_progress: ProgressCallback | None = Non
     Raises UserError for bad input and RetriableError after a SIGTERM (checkpoint committed)
     or a storage outage; the CLI maps them to exit codes 3 and 42.
     """
+    host_memory.retain_freed_memory()  # before JAX's thread pools start (see host_memory)
     _configure_logging()
     distributed.initialize()
     mesh = distributed.make_mesh(cfg.training.mesh)
@@ -455,10 +456,16 @@ class _Run:
 
         sink = ProgressSink(cfg.output.uri, primary=self.primary, resume_step=step, on_progress=self.on_progress)
         try:
-            return self._loop(trainer, stream, eval_ds, store, sink, step, loaded.hf_config, seq_len)
-        finally:
-            sink.close()
+            result = self._loop(trainer, stream, eval_ds, store, sink, step, loaded.hf_config, seq_len)
+        except BaseException:
+            # No flush after a fault: in a storage outage it would wait out the retry deadline again
+            # and replace the error; the steps since the last checkpoint are redone on resume anyway.
+            sink.close(flush=False)
             store.close()
+            raise
+        sink.close()
+        store.close()
+        return result
 
     def _check_compatible(self, step: int) -> None:
         saved = checkpoint.read_metadata(self.root, step)
