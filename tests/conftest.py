@@ -3,6 +3,12 @@
 import os
 import tempfile
 
+from lora_trainer import host_memory
+
+# Tuned as `run_training` tunes a trainer process, before any test starts JAX's threads, so the
+# many in-process train steps of this session reuse freed buffers instead of page-faulting afresh.
+host_memory.retain_freed_memory()
+
 # No machine here reaches a model hub: huggingface_hub must answer from its cache only. It reads
 # these when first imported, so they are set before any test module imports transformers.
 os.environ["HF_HUB_OFFLINE"] = "1"
