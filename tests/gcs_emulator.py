@@ -7,11 +7,15 @@ endpoint setting, so tests run the production code path unchanged.
 
 Use the `gcs_bucket` fixture (registered for every test by tests/conftest.py); it yields
 the bucket name. Give each test its own prefix (e.g. `gs://{bucket}/{test name}/`) since
-the server is shared by the session. Subprocesses inherit the environment.
+the server is shared by the session. Subprocesses inherit the environment. A test that must
+stop or restart its server (an outage) starts its own with `start_emulator` and passes
+`Emulator.env` to its subprocesses.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import shutil
 import socket
@@ -21,13 +25,14 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 BUCKET = "lora-test"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -69,30 +74,75 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) 
     raise RuntimeError(f"gcp-storage-emulator did not answer on {url} within {timeout:.0f}s")
 
 
+@dataclasses.dataclass
+class Emulator:
+    """One running gcp-storage-emulator process; `env` points every GCS client at it."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def env(self) -> dict[str, str]:
+        return emulator_env(self.port)
+
+    def kill(self) -> None:
+        """SIGKILL: a real outage (connections refused from now on), nothing flushed."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        """Terminate politely, then kill."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def start_emulator(*, bucket: str = BUCKET, data_dir: Path | None = None, port: int | None = None) -> Emulator:
+    """A serving emulator with `bucket` created: in memory, or stored under `data_dir`.
+
+    Why `data_dir`: an emulator started again on the same directory serves the same objects,
+    so a test can end an outage and show that the run resumes.
+    """
+    port = port or free_port()
+    cmd = [_executable(), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket", bucket]
+    env = None
+    if data_dir is None:
+        cmd.append("--in-memory")
+    else:
+        env = {**os.environ, "STORAGE_BASE": str(data_dir.resolve())}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    emulator = Emulator(proc, port)
+    try:
+        _wait_ready(emulator.env["STORAGE_EMULATOR_HOST"], proc)
+    except BaseException:
+        emulator.stop()
+        raise
+    return emulator
+
+
+@contextlib.contextmanager
+def running_emulator(**kwargs: Any) -> Iterator[Emulator]:
+    """`start_emulator` for the duration of a block."""
+    emulator = start_emulator(**kwargs)
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
+
+
 @pytest.fixture(scope="session")
 def gcs_bucket() -> Iterator[str]:
     """Start the emulator with an in-memory bucket, export the client env vars, yield the bucket."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [_executable(), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", BUCKET],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    env = emulator_env(port)
-    saved = {k: os.environ.get(k) for k in env}
-    try:
-        _wait_ready(env["STORAGE_EMULATOR_HOST"], proc)
-        os.environ.update(env)
-        yield BUCKET
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        proc.terminate()
+    with running_emulator() as emulator:
+        saved = {k: os.environ.get(k) for k in emulator.env}
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            os.environ.update(emulator.env)
+            yield BUCKET
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

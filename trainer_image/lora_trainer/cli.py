@@ -7,11 +7,21 @@ Every failure ends with one paragraph on stderr and a code from `exit_codes`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 from lora_trainer import exit_codes
 from lora_trainer.errors import TrainerError, device_oom_message
+
+#: Seconds Python's shutdown may take once the exit code is decided; then the process is ended anyway.
+EXIT_GRACE_S = 30.0
+#: Python's exit status after an uncaught exception (a crash outside the exit-code table).
+UNCAUGHT_EXIT = 1
+#: Ends every retriable error's paragraph, so a reader of the log knows no action is needed.
+RETRIABLE_NOTE = f" (retriable, exit {exit_codes.RETRIABLE}: the JobSet restarts the run, which resumes from its last committed checkpoint)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,11 +83,48 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit code.
+
+    With `argv` None the command line is the process's own (the console script), and the process
+    then ends within EXIT_GRACE_S of its exit code being decided (see `_exit_within`).
+    """
     args = _parser().parse_args(argv)
+    try:
+        code = _run(args)
+    except Exception:
+        if argv is None:
+            _exit_within(EXIT_GRACE_S, UNCAUGHT_EXIT)
+        raise
+    if argv is None:
+        _exit_within(EXIT_GRACE_S, code)
+    return code
+
+
+def _exit_within(grace: float, code: int) -> None:
+    """End the process with `code` if Python's shutdown has not ended it `grace` seconds from now.
+
+    Why: after a checkpoint save fails mid-commit (a storage outage), Orbax leaves non-daemon
+    threads waiting for signals that never come, and Python waits for them at exit forever: the
+    pod would hold its chips and never report the code the JobSet acts on. A daemon thread keeps
+    running while Python waits, so it can end the process; a clean shutdown ends it first.
+    """
+
+    def force() -> None:
+        time.sleep(grace)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+
+    threading.Thread(target=force, name="lora-trainer-exit", daemon=True).start()
+
+
+def _run(args: argparse.Namespace) -> int:
+    """`_dispatch`, with every known failure turned into its paragraph on stderr and its exit code."""
     try:
         return _dispatch(args)
     except TrainerError as e:
-        print(f"lora-trainer {args.command}: error: {e}", file=sys.stderr)
+        note = RETRIABLE_NOTE if e.exit_code == exit_codes.RETRIABLE else ""
+        print(f"lora-trainer {args.command}: error: {e}{note}", file=sys.stderr)
         return e.exit_code
     except MemoryError:
         print(

@@ -148,11 +148,12 @@ class ProgressSink:
             assert self._tb_tmp is not None
             storage.upload_dir(self._tb_tmp.name, self._tb_uri)
 
-    def close(self) -> None:
-        """Flush and release the TensorBoard writer."""
+    def close(self, *, flush: bool = True) -> None:
+        """Flush (unless `flush` is False, after a fault) and release the TensorBoard writer."""
         if not self.primary:
             return
-        self.flush()
+        if flush:
+            self.flush()
         self._tb.close()
         if self._tb_tmp is not None:
             self._tb_tmp.cleanup()

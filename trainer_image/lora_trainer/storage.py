@@ -12,6 +12,13 @@ read-only and goes through huggingface_hub (token from `HF_TOKEN`, which the ope
 mounts from `spec.hfTokenSecretRef`; its cache honours `HF_HUB_CACHE`/`HF_HUB_OFFLINE`).
 Both clients are imported lazily so that a local-only run never needs credentials.
 Nothing here imports JAX.
+
+Every gs:// call retries transient faults (5xx, 429, refused or dropped connections) with
+google-cloud-storage's backoff until `LORA_STORAGE_RETRY_DEADLINE_S` seconds have passed
+(default 120, the client's own deadline), then raises RetriableError: a blip costs nothing,
+an outage ends the process with exit 42 within about that time, and the restarted run
+resumes from its last committed checkpoint. Uploads are retried too: every object here is
+written whole and overwriting it with the same bytes is harmless.
 """
 
 from __future__ import annotations
@@ -33,6 +40,13 @@ GS = "gs://"
 HF = "hf://"
 #: What a base model needs from a hub repository: weights, configs, tokenizer files.
 HF_MODEL_FILES = ["*.safetensors", "*.json", "*.model", "*.txt", "*.jinja"]
+#: Environment variable: seconds one gs:// call keeps retrying a transient fault before giving up.
+RETRY_DEADLINE_ENV = "LORA_STORAGE_RETRY_DEADLINE_S"
+#: google-cloud-storage's own deadline: long enough to ride out blips without a restart (which
+#: costs a model reload and a recompilation), short enough that an outage ends in exit 42.
+DEFAULT_RETRY_DEADLINE_S = 120.0
+#: google-cloud-storage's per-request timeout; a shorter retry deadline caps it.
+_REQUEST_TIMEOUT_S = 60.0
 
 
 def is_gcs(uri: str) -> bool:
@@ -138,10 +152,38 @@ def _client() -> Any:
     return storage.Client()
 
 
+def retry_deadline() -> float:
+    """Seconds a gs:// call retries transient faults (`LORA_STORAGE_RETRY_DEADLINE_S`, default 120)."""
+    raw = os.environ.get(RETRY_DEADLINE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RETRY_DEADLINE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise UserError(f"{RETRY_DEADLINE_ENV}={raw!r} is not a positive number of seconds; unset it for the default 120")
+    return value
+
+
+def _call() -> dict[str, Any]:
+    """`retry` and `timeout` arguments for one google-cloud-storage call (read per call: tests change the env)."""
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    deadline = retry_deadline()
+    return {"retry": DEFAULT_RETRY.with_timeout(deadline), "timeout": min(_REQUEST_TIMEOUT_S, deadline)}
+
+
 @contextlib.contextmanager
 def _gcs_errors(uri: str) -> Iterator[None]:
-    """Map google-cloud-storage exceptions onto the exit-code table, naming the URI."""
+    """Map google-cloud-storage exceptions onto the exit-code table, naming the URI.
+
+    Connection failures arrive as `requests` exceptions (not the builtin ConnectionError), and
+    as RetryError once the retry deadline has passed with the storage still unreachable.
+    """
+    import requests
     from google.api_core import exceptions as gexc
+    from google.auth import exceptions as auth_exc
 
     try:
         yield
@@ -153,7 +195,11 @@ def _gcs_errors(uri: str) -> Iterator[None]:
         ) from e
     except (gexc.ServiceUnavailable, gexc.InternalServerError, gexc.TooManyRequests, gexc.GatewayTimeout) as e:
         raise RetriableError(f"storage outage while accessing {uri}: {e}") from e
-    except (ConnectionError, TimeoutError) as e:
+    except gexc.RetryError as e:
+        raise RetriableError(
+            f"storage unreachable for {retry_deadline():.0f}s ({RETRY_DEADLINE_ENV}) while accessing {uri}: {e.cause or e}"
+        ) from e
+    except (ConnectionError, TimeoutError, requests.exceptions.RequestException, auth_exc.TransportError) as e:
         raise RetriableError(f"cannot reach storage for {uri}: {e}") from e
 
 
@@ -166,7 +212,7 @@ def read_bytes(uri: str) -> bytes:
     """Whole file or object; a missing one is a UserError naming it."""
     if is_gcs(uri):
         with _gcs_errors(uri):
-            return _blob(uri).download_as_bytes()
+            return _blob(uri).download_as_bytes(**_call())
     if is_hf(uri):
         return _hf_download(uri).read_bytes()
     path = local_path(uri)
@@ -188,7 +234,7 @@ def write_bytes(uri: str, data: bytes) -> None:
     """
     if is_gcs(uri):
         with _gcs_errors(uri):
-            _blob(uri).upload_from_string(data)
+            _blob(uri).upload_from_string(data, **_call())
         return
     path = local_path(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -214,10 +260,10 @@ def exists(uri: str) -> bool:
         return local_path(uri).exists()
     bucket, name = split_gcs(uri)
     with _gcs_errors(uri):
-        if name and _blob(uri).exists():
+        if name and _blob(uri).exists(**_call()):
             return True
         prefix = f"{name}/" if name else ""
-        return any(True for _ in _client().list_blobs(bucket, prefix=prefix, max_results=1))
+        return any(True for _ in _client().list_blobs(bucket, prefix=prefix, max_results=1, **_call()))
 
 
 def listdir(uri: str) -> list[str]:
@@ -228,7 +274,7 @@ def listdir(uri: str) -> list[str]:
     bucket, name = split_gcs(uri)
     prefix = f"{name}/" if name else ""
     with _gcs_errors(uri):
-        names = {b.name[len(prefix) :].split("/", 1)[0] for b in _client().list_blobs(bucket, prefix=prefix)}
+        names = {b.name[len(prefix) :].split("/", 1)[0] for b in _client().list_blobs(bucket, prefix=prefix, **_call())}
     return sorted(n for n in names if n)
 
 
@@ -237,7 +283,7 @@ def _walk_gcs(uri: str) -> Iterator[tuple[str, Any]]:
     bucket, name = split_gcs(uri)
     prefix = f"{name}/" if name else ""
     with _gcs_errors(uri):
-        for blob in _client().list_blobs(bucket, prefix=prefix):
+        for blob in _client().list_blobs(bucket, prefix=prefix, **_call()):
             rel = blob.name[len(prefix) :]
             if rel and not rel.endswith("/"):
                 yield rel, blob
@@ -263,7 +309,7 @@ def download_dir(uri: str, dest: str | os.PathLike[str]) -> Path:
         target = dest_path / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         with _gcs_errors(f"{uri.rstrip('/')}/{rel}"):
-            blob.download_to_filename(str(target))
+            blob.download_to_filename(str(target), **_call())
     if not found:
         raise UserError(f"{uri} holds no files: check the URI")
     return dest_path
@@ -283,7 +329,7 @@ def upload_dir(src: str | os.PathLike[str], uri: str) -> None:
     for p in files:
         target_uri = join(uri, str(p.relative_to(src_path)))
         with _gcs_errors(target_uri):
-            _blob(target_uri).upload_from_filename(str(p))
+            _blob(target_uri).upload_from_filename(str(p), **_call())
 
 
 @contextlib.contextmanager
@@ -348,4 +394,4 @@ def delete_tree(uri: str) -> None:
         return
     for _rel, blob in list(_walk_gcs(uri)):
         with _gcs_errors(uri):
-            blob.delete()
+            blob.delete(**_call())

@@ -1,0 +1,181 @@
+"""A real storage outage: the GCS server dies under a training run, which exits 42 promptly.
+
+The run writes to gs:// on its own gcp-storage-emulator (stored on disk, not the session's
+shared server). A first run commits checkpoint step 2; a second one resumes from it, and once
+it is training the emulator is killed. It must exit with the retriable code within the storage
+retry deadline (shortened here) plus shutdown, naming the URI. Then the emulator comes back on
+the same data: only the complete checkpoint counts, and a restarted trainer resumes from it.
+
+The second run saves no checkpoint while the outage starts, so the fault hits google-cloud-storage
+(progress.json), whose deadline this repository sets. A save in flight would instead wait out
+TensorStore's own retries (up to 32 with backoff to 32 s: about a quarter of an hour), which only
+lora_trainer.checkpoint could shorten.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gcs_emulator import Emulator, free_port, start_emulator
+from trainer_fixtures import REPO, progress_lines, start_trainer, train_config, trainer_env, write_config
+
+from lora_trainer import exit_codes, storage
+from lora_trainer.errors import RetriableError, UserError
+
+BUCKET = "outage"
+RUN = f"gs://{BUCKET}/run"
+#: Seconds the trainer's gs:// calls retry here (production: 120, see lora_trainer.storage).
+DEADLINE_S = 5
+#: One CPU device per trainer, whatever the test process uses; a short storage retry deadline.
+ENV = {"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu", storage.RETRY_DEADLINE_ENV: str(DEADLINE_S)}
+#: How long after the outage the trainer may take to exit: the deadline plus shutting down.
+EXIT_WITHIN_S = DEADLINE_S + 25
+
+
+def _wait_for_step(proc: subprocess.Popen[bytes], log: Path, step: int, timeout: float = 300) -> None:
+    """Block until the trainer has printed progress for `step` (so it has written progress.json)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = progress_lines(log)
+        if lines and lines[-1]["step"] >= step:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"trainer exited with {proc.returncode} before step {step}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail(f"trainer did not reach step {step} within {timeout}s")
+
+
+def _steps(emulator: Emulator) -> dict[str, list[int]]:
+    """Step directories and committed steps under the run's checkpoints, each committed step read in full."""
+    script = (
+        "import json, sys; from lora_trainer import checkpoint, storage; root = sys.argv[1]; "
+        "steps = checkpoint.committed_steps(root); [checkpoint.read_lora(root, s) for s in steps]; "
+        "print(json.dumps({'dirs': sorted(int(d) for d in storage.listdir(root) if d.isdigit()), 'committed': steps}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, f"{RUN}/checkpoints"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env=trainer_env(**ENV, **emulator.env),
+        cwd=REPO,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _run(cfg: dict[str, Any], name: str, tmp_path: Path, emulator: Emulator) -> tuple[subprocess.Popen[bytes], Path]:
+    log = tmp_path / f"{name}.log"
+    return start_trainer(write_config(tmp_path / f"{name}.json", cfg), log, **ENV, **emulator.env), log
+
+
+def _finish(proc: subprocess.Popen[bytes], log: Path) -> str:
+    assert proc.wait(timeout=300) == exit_codes.OK, log.read_text()[-3000:]
+    return log.read_text()
+
+
+@pytest.mark.slow
+def test_storage_outage_exits_retriable_promptly_then_resumes(tmp_path):
+    data_dir = tmp_path / "gcs"
+    emulator = start_emulator(bucket=BUCKET, data_dir=data_dir)
+    try:
+        # A committed checkpoint at step 2, then a long run resuming from it that saves no more:
+        # the outage then hits the run's own gs:// writes (progress.json), not a checkpoint save.
+        cfg = train_config(tmp_path, RUN, steps=2, checkpointEvery=2, logEvery=1)
+        _finish(*_run(cfg, "first", tmp_path, emulator))
+        long_run = {**cfg, "training": {**cfg["training"], "steps": 10_000, "checkpointEvery": 10_000}}
+        proc, log = _run(long_run, "outage", tmp_path, emulator)
+        try:
+            _wait_for_step(proc, log, 4)
+            emulator.kill()
+            killed = time.monotonic()
+            code = proc.wait(timeout=EXIT_WITHIN_S)
+            took = time.monotonic() - killed
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        text = log.read_text()
+        assert "resuming from step 2" in text
+        assert code == exit_codes.RETRIABLE, text[-3000:]
+        final = text.strip().splitlines()[-1]
+        assert final.startswith("lora-trainer train: error: ") and f"gs://{BUCKET}/run/" in final, final
+        assert f"(retriable, exit {exit_codes.RETRIABLE}:" in final
+        print(f"exit {code} {took:.1f}s after the outage: {final}")
+
+        # The storage comes back with the same objects: the checkpoint is whole, nothing half-written
+        # counts, and a restarted run resumes from it.
+        emulator = start_emulator(bucket=BUCKET, data_dir=data_dir, port=emulator.port)
+        assert _steps(emulator) == {"dirs": [2], "committed": [2]}
+        text = _finish(*_run({**cfg, "training": {**cfg["training"], "steps": 3}}, "resumed", tmp_path, emulator))
+        assert "resuming from step 2" in text and progress_lines(tmp_path / "resumed.log")[-1]["step"] == 3
+    finally:
+        emulator.stop()
+
+
+@pytest.fixture
+def unreachable_storage(monkeypatch) -> Iterator[None]:
+    """google-cloud-storage pointed at a closed loopback port, with a 1 s retry deadline."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv(storage.RETRY_DEADLINE_ENV, "1")
+    storage._client.cache_clear()
+    yield
+    storage._client.cache_clear()  # the next test's client honours its own environment again
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: storage.write_text(f"{RUN}/progress.json", "{}"),
+        lambda: storage.read_text(f"{RUN}/progress.json"),
+        lambda: storage.exists(f"{RUN}/progress.json"),
+        lambda: storage.listdir(f"{RUN}/checkpoints"),
+    ],
+    ids=["write", "read", "exists", "listdir"],
+)
+def test_unreachable_storage_is_retriable_after_the_deadline(unreachable_storage, call):
+    start = time.monotonic()
+    with pytest.raises(RetriableError, match=rf"storage unreachable for 1s \({storage.RETRY_DEADLINE_ENV}\) while accessing gs://{BUCKET}/run/"):
+        call()
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "soon"])
+def test_a_bad_retry_deadline_is_a_user_error(monkeypatch, raw):
+    monkeypatch.setenv(storage.RETRY_DEADLINE_ENV, raw)
+    with pytest.raises(UserError, match=storage.RETRY_DEADLINE_ENV):
+        storage.retry_deadline()
+
+
+def test_the_retry_deadline_defaults_to_the_clients_own(monkeypatch):
+    monkeypatch.delenv(storage.RETRY_DEADLINE_ENV, raising=False)
+    assert storage.retry_deadline() == storage.DEFAULT_RETRY_DEADLINE_S == 120.0
+
+
+def test_the_process_ends_with_its_exit_code_even_if_a_thread_never_finishes():
+    """What a save that failed mid-commit leaves behind: a non-daemon thread waiting forever."""
+    script = """
+import sys, threading
+from lora_trainer import cli
+from lora_trainer.errors import RetriableError
+
+def save_failed_mid_commit(args):
+    threading.Thread(target=threading.Event().wait).start()
+    raise RetriableError("storage fault while accessing checkpoints at gs://b/run/checkpoints")
+
+cli.EXIT_GRACE_S, cli._dispatch = 0.5, save_failed_mid_commit
+sys.argv = ["lora-trainer", "train", "--config", "unused.yaml"]
+sys.exit(cli.main())
+"""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == exit_codes.RETRIABLE, proc.stderr
+    assert proc.stderr.startswith("lora-trainer train: error: storage fault") and time.monotonic() - start < 30
