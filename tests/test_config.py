@@ -1,5 +1,7 @@
 """The train config: one set of pydantic models parsed by the trainer and embedded in the CRD."""
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -34,3 +36,17 @@ def test_bad_input_names_the_field(patch, field):
     with pytest.raises(ValidationError) as e:
         TrainConfig.model_validate(data)
     assert field.split(".")[-1] in str(e.value)
+
+
+def test_the_trainer_cli_refuses_a_bad_config_file_with_the_user_error_code(tmp_path, capsys):
+    from lora_trainer import cli, exit_codes
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(json.dumps({**MINIMAL, "training": {"steps": 0}}))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed")
+    cases = [(tmp_path / "absent.yaml", "cannot read"), (broken, "not valid YAML"), (bad, "training.steps")]
+    for path, message in cases:
+        assert cli.main(["train", "--config", str(path)]) == exit_codes.USER_ERROR
+        err = capsys.readouterr().err
+        assert str(path) in err and message in err and "Traceback" not in err

@@ -36,7 +36,7 @@ from lora_operator.crdgen import lora_finetune_crd
 from lora_operator.progress import progress_status
 from lora_operator.render import output_uris
 from lora_trainer import exit_codes, storage
-from lora_trainer.config import TrainConfig
+from lora_trainer.config import TrainConfig, validation_problems
 from lora_trainer.errors import TrainerError, UserError
 
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://")
@@ -72,7 +72,7 @@ def load_manifest(path: Path) -> tuple[str, LoraFinetuneSpec]:
     try:
         spec = LoraFinetuneSpec.model_validate(obj.get("spec") or {})
     except ValidationError as e:
-        problems = "; ".join(f"spec.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        problems = validation_problems(e, "spec.")
         raise ManifestError(f"{path}: invalid LoraFinetune {name!r}: {problems}") from e
     return name, spec
 
@@ -104,7 +104,7 @@ def resolve_local_paths(spec: LoraFinetuneSpec, base: Path, output: str | None =
     try:
         return LoraFinetuneSpec.model_validate(wire)
     except ValidationError as e:
-        problems = "; ".join(f"spec.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        problems = validation_problems(e, "spec.")
         raise ManifestError(
             f"after resolving local paths against {base}{f' and --output {output!r}' if output else ''}: {problems}; "
             "use paths without spaces or colons, or a gs:// URI"

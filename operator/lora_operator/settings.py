@@ -15,7 +15,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from lora_operator.api import DNS_LABEL, DNS_SUBDOMAIN, Resources, TpuType
-from lora_trainer.config import ApiModel
+from lora_trainer.config import ApiModel, validation_problems
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/lora-operator/lora-trainer:0.1.0"
 DEFAULT_IMAGE_REPOSITORY = "ghcr.io/lora-operator/lora-trainer"
@@ -75,7 +75,7 @@ def load_settings(path: str | Path | None) -> OperatorSettings:
     try:
         settings = OperatorSettings.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        problems = validation_problems(e)
         raise SettingsError(f"{p}: invalid operator settings: {problems}") from e
     if not settings.image_allowed(settings.trainer_image):
         raise SettingsError(

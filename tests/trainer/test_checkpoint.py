@@ -176,6 +176,10 @@ def test_storage_outages_are_retriable():
     with pytest.raises(ValueError, match="bad tree"):  # anything else is not retried
         with ckpt._storage_faults("gs://b/run"):
             raise ValueError("bad tree")
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4096 bytes.")
+    with pytest.raises(jax.errors.JaxRuntimeError):  # device OOM while saving: a user error, not GCS throttling
+        with ckpt._storage_faults("gs://b/run"):
+            raise oom
 
 
 def _sharded_targets(lora, opt):

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from lora_trainer.errors import UserError
 
 #: Inputs: `gs://bucket/path` (bucket 3-63 chars), `hf://org/name`, `file:///abs` or a local path (no scheme).
 #: RE2-compatible, since the API server evaluates the same pattern.
@@ -199,9 +201,23 @@ class TrainConfig(ApiModel):
         return self
 
 
+def validation_problems(e: ValidationError, prefix: str = "") -> str:
+    """Every error of a pydantic validation as `field.path: message`, joined by '; '."""
+    return "; ".join(f"{prefix}{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+
+
 def load_train_config(path: str | Path) -> TrainConfig:
-    """Parse a train config file (YAML or JSON; JSON is YAML)."""
-    return TrainConfig.model_validate(yaml.safe_load(Path(path).read_text()))
+    """Parse a train config file (YAML or JSON; JSON is YAML); UserError naming the file and every bad field."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"--config {path}: cannot read the train config ({e.strerror}); pass the file the operator rendered") from e
+    except yaml.YAMLError as e:
+        raise UserError(f"--config {path}: not valid YAML or JSON ({e})") from e
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"--config {path}: invalid train config: {validation_problems(e)}") from e
 
 
 def dump_train_config(cfg: TrainConfig) -> str:
