@@ -318,7 +318,7 @@ In the fastest rounds (the least disturbed by other load), Orbax's own write of 
 timed alone (stacking included), is {share(r, 'orbax_write', 'convert')} of convert's time, and its read {share(r, 'orbax_read', 'export')} of
 export's; the rest is reading, checking and mapping the tensors and writing safetensors. The fresh-process rows add interpreter start and
 imports, which a Job pays once per conversion: in the fastest rounds the imports alone take
-{r['imports_range'][0]:.1f} s (the family modules import Tunix, which imports torch and more), {share(r, 'imports', 'convert_cli')} of the fresh `convert`.{shared}
+{r['imports_range'][0]:.1f} s (JAX, Flax, Orbax, Qwix; not Tunix or torch: the families build their Tunix models lazily), {share(r, 'imports', 'convert_cli')} of the fresh `convert`.{shared}
 """
     report.write_section(SECTION, body)
 
