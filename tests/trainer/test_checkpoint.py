@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,3 +254,10 @@ def test_gcs_many_arrays(gcs_bucket):
     ckpt.write_lora(root, 1, tree, META)
     assert ckpt.read_metadata(root)["loraLayout"] == {"stacked": {"layers/{i}/mlp/up_proj": list(range(40))}}
     _assert_tree_equal(ckpt.read_lora(root)[0], tree)
+
+
+def test_orbax_non_ocdbt_merge_warning_is_not_printed(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        ckpt.write_lora(str(tmp_path / "a"), 1, _tree(0), META)
+    assert not [r for r in caplog.records if "OCDBT" in r.getMessage()]
+    assert ckpt.read_lora(str(tmp_path / "a"))[1]["step"] == 1

@@ -20,6 +20,7 @@ temporary directory and renames it; on gs:// it writes in place and adds
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -130,6 +131,20 @@ def _write_lora_handler() -> ocp.PyTreeCheckpointHandler:
     return ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=False, type_handler_registry=registry)
 
 
+class _NoOcdbtMergeWarning(logging.Filter):
+    """Drops Orbax's "Skipping merge of OCDBT checkpoints" warning, which it logs for every item of
+    every save when OCDBT is off, as it is here on purpose (see `_handlers`): noise, not a fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+
+
+def _quiet_orbax() -> None:
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _NoOcdbtMergeWarning) for f in absl.filters):
+        absl.addFilter(_NoOcdbtMergeWarning())
+
+
 def _split_step_dir(root: str, step: int | None) -> tuple[str, int | None]:
     """Accept a step directory (`.../checkpoints/120`) wherever a root is expected."""
     path = _path(root)
@@ -205,6 +220,7 @@ def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], meta
     """
     _check_metadata(metadata, root)
     stored, stacked = _stack_layers(_as_dict_tree(tree))
+    _quiet_orbax()
     with _storage_faults(root):
         mgr = ocp.CheckpointManager(
             _path(root),
@@ -325,6 +341,7 @@ class TrainingCheckpoints:
 
     def __init__(self, root: str, *, keep: int) -> None:
         self.root = root
+        _quiet_orbax()
         with _storage_faults(root):
             self._mgr = ocp.CheckpointManager(
                 _path(root),
