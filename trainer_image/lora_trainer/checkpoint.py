@@ -110,8 +110,8 @@ def _handlers(*items: str) -> dict[str, ocp.CheckpointHandler]:
     versions still load.
     """
     table: dict[str, ocp.CheckpointHandler] = {
-        LORA: ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=False),
-        OPTIMIZER: ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=False),
+        LORA: _array_handler(),
+        OPTIMIZER: _array_handler(),
         DATA: ocp.JsonCheckpointHandler(),
         METADATA: ocp.JsonCheckpointHandler(),
     }
@@ -128,7 +128,12 @@ def _write_lora_handler() -> ocp.PyTreeCheckpointHandler:
     registry = ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
     )
-    return ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=False, type_handler_registry=registry)
+    return _array_handler(type_handler_registry=registry)
+
+
+def _array_handler(**options: Any) -> ocp.PyTreeCheckpointHandler:
+    """The one array format of every item (see `_handlers`): plain zarr, no OCDBT, no zstd."""
+    return ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=False, **options)
 
 
 class _NoOcdbtMergeWarning(logging.Filter):

@@ -152,6 +152,20 @@ def _dropout(lhs: jax.Array, rate: float) -> jax.Array:
     return nnx.Dropout(rate, deterministic=False)(lhs, rngs=flax_util.make_rng("dropout"))
 
 
+def _lora_params(
+    rule: qwix.LoraRule, weight_name: str, a_shape: Any, a_transpose: Any, b_shape: Any, b_transpose: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The module's LoRA A and B for `weight_name` (Qwix creates them on the first call)."""
+    return qwix_lora._get_or_create_lora_params(
+        name=weight_name,
+        rule=rule,
+        a_shape=a_shape,
+        b_shape=b_shape,
+        a_sharding_transpose=a_transpose,
+        b_sharding_transpose=b_transpose,
+    )
+
+
 class LoraProvider(qwix.LoraProvider):
     """`qwix.LoraProvider` whose low-rank path goes through `lora_delta`."""
 
@@ -182,14 +196,7 @@ class LoraProvider(qwix.LoraProvider):
         a_shape, a_transpose, b_shape, b_transpose = qwix_lora._create_lora_layer_shapes(
             rhs_ca, rhs_ba, rhs_ra, contract_shape, batch_shape, remain_shape, rule.rank
         )
-        lora_a, lora_b = qwix_lora._get_or_create_lora_params(
-            name=weight_name,
-            rule=rule,
-            a_shape=a_shape,
-            b_shape=b_shape,
-            a_sharding_transpose=a_transpose,
-            b_sharding_transpose=b_transpose,
-        )
+        lora_a, lora_b = _lora_params(rule, weight_name, a_shape, a_transpose, b_shape, b_transpose)
         lhs = _dropout(lhs, rule.dropout)
         spec = dot_general_spec(lhs.ndim, lhs_ca, lhs_ba, len(remain_shape))
         a = jnp.reshape(lora_a, (*batch_shape, *contract_shape, rule.rank))
@@ -212,14 +219,7 @@ class LoraProvider(qwix.LoraProvider):
             lhs.shape, rhs.shape, einsum_str, rule.rank
         )
         setattr(flax_util.get_current_module(), weight_name + "_lora_einsum_str", lora_spec)
-        lora_a, lora_b = qwix_lora._get_or_create_lora_params(
-            name=weight_name,
-            rule=rule,
-            a_shape=a_shape,
-            b_shape=b_shape,
-            a_sharding_transpose=a_transpose,
-            b_sharding_transpose=b_transpose,
-        )
+        lora_a, lora_b = _lora_params(rule, weight_name, a_shape, a_transpose, b_shape, b_transpose)
         lhs = _dropout(lhs, rule.dropout)
         scale = rule.alpha / rule.rank
         if kwargs or _subscripts(lora_spec) is None:  # a form the explicit backward does not cover
