@@ -7,6 +7,9 @@ projections, GQA, Gemma 3's split K/V) and under QLoRA, up to float32 reassociat
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,3 +108,51 @@ def test_unusual_specs_fall_back() -> None:
     assert _subscripts("BTD,Dr,rNH->BTNH") is not None
     assert _subscripts("BTD,DNH->BTNH") is None  # not three operands
     assert _subscripts("BTD,Dr,rNH->BTNHQ") is None  # an output letter from nowhere
+
+
+def _lora_models(family: str, tmp: Any, dtype: str) -> tuple[nnx.Module, nnx.Module]:
+    """The tiny model with the same random non-zero LoRA params, as a `dtype` base and a float32 base."""
+    path = make_tiny_hf_model(family, tmp, seed=5)
+    bases = [load_model(str(path), dtype=d) for d in (dtype, "float32")]
+    low, wide = (apply_lora(b.model, LoraSpec(rank=4, alpha=8.0), b.family, seed=0).model for b in bases)
+    rng = np.random.default_rng(7)
+    params = {p: {n: (0.1 * rng.standard_normal(np.shape(v))).astype(np.float32) for n, v in d.items()} for p, d in lora_state(wide).items()}
+    set_lora_state(low, params)
+    set_lora_state(wide, params)
+    return low, wide
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])
+def test_bfloat16_base_stays_bfloat16_and_matches_float32(family: str, tmp_path: Any) -> None:
+    """A bf16 base computes in bf16 all the way to the logits (Qwix's `bf16 + f32 delta` made every
+    activation after the first adapted projection float32), and its loss and LoRA gradients are the
+    float32 model's within bfloat16 rounding."""
+    low, wide = _lora_models(family, tmp_path, "bfloat16")
+    inputs = _inputs()
+    logits, _ = low(inputs["input_tokens"], inputs["positions"], None, inputs["attention_mask"])
+    assert logits.dtype == jnp.bfloat16
+    (loss_lo, grads_lo), (loss_hi, grads_hi) = _loss_and_grads(low), _loss_and_grads(wide)
+    assert loss_lo == pytest.approx(loss_hi, rel=1e-2)
+    errs = {}
+    for k in grads_hi:
+        assert grads_lo[k].dtype == np.float32  # LoRA params (and so their gradients) stay float32
+        errs[k] = float(np.linalg.norm(grads_lo[k] - grads_hi[k]) / np.linalg.norm(grads_hi[k]))
+    # bfloat16 keeps 8 significant bits (0.4% per rounding): a few % after a whole backward pass.
+    assert max(errs.values()) < 0.08 and float(np.median(list(errs.values()))) < 0.04, errs
+
+
+def test_bfloat16_step_feeds_16bit_operands_to_every_activation_sized_dot(tmp_path: Any) -> None:
+    """The compiled LoRA step of a bf16 base: only the rank-sized LoRA weight-gradient dots see float32.
+
+    XLA's CPU backend runs `bf16 x bf16 -> f32` dots natively and upcasts anything else to float32
+    (half the speed), so this is the property that makes a bf16 step fast (docs/benchmarks.md).
+    """
+    low, _ = _lora_models("llama3", tmp_path, "bfloat16")
+    step = nnx.jit(lambda m, i: nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)(m, **i))
+    hlo = step.lower(low, _inputs()).compile().as_text()
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    dots = re.findall(r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+    assert dots
+    for out, a, b in dots:
+        if (types[a], types[b]) != ("bf16", "bf16"):
+            assert "4" in out.split(","), f"a float32 dot that is not rank-sized: {out} from {types[a]}, {types[b]}"

@@ -32,6 +32,9 @@ from qwix._src.providers import lora as qwix_lora
 from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
+from lora_trainer import accumulating_dot
+from lora_trainer.accumulating_dot import contract
+
 
 class _Subscripts(NamedTuple):
     """Einsum subscripts of the low-rank path: x, A, B, output and the rank-r intermediate h."""
@@ -64,36 +67,27 @@ def _subscripts(spec: str) -> _Subscripts | None:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
 def lora_delta(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
-    """`einsum(spec, x, a, b) * scale` for a LoRA spec `"x,a,b->out"`, with a layout-friendly backward."""
+    """`einsum(spec, x, a, b) * scale` for a LoRA spec `"x,a,b->out"`, with a layout-friendly backward.
+
+    Mixed precision as `torch.autocast` does it: the LoRA params stay float32 (the optimizer's
+    master copy) and are rounded to a 16-bit activation's dtype where they meet activation-sized
+    operands; every product accumulates in float32 and the delta is float32. The weight
+    gradients are formed from float32 operands. With float32 activations nothing is rounded.
+    """
     return _forward(spec, x, a, b, scale)[0]
 
 
-def _contract(lhs_sub: str, rhs_sub: str, out_sub: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-    """`einsum(f"{lhs_sub},{rhs_sub}->{out_sub}")` as one dot_general with `lhs` as its first operand.
-
-    `jnp.einsum` may pick the operand order itself; XLA then decides which operand to copy
-    into a transposed layout from that order, so it is fixed here. Letters in both operands
-    and the output are batch dims, in both only are contracted; the result (dot_general's
-    batch, lhs-free, rhs-free order) is transposed to `out_sub`, which costs little when
-    the output is rank-sized.
-    """
-    batch = [c for c in lhs_sub if c in rhs_sub and c in out_sub]
-    contract = [c for c in lhs_sub if c in rhs_sub and c not in out_sub]
-    dims = (
-        (tuple(lhs_sub.index(c) for c in contract), tuple(rhs_sub.index(c) for c in contract)),
-        (tuple(lhs_sub.index(c) for c in batch), tuple(rhs_sub.index(c) for c in batch)),
-    )
-    got = "".join(batch) + "".join(c for c in lhs_sub if c not in rhs_sub) + "".join(c for c in rhs_sub if c not in lhs_sub)
-    dtype = jnp.result_type(lhs, rhs)  # jnp.einsum's promotion (a bfloat16 base with float32 LoRA params)
-    out = jax.lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dims)
-    return out if got == out_sub else jnp.transpose(out, [got.index(c) for c in out_sub])
+def _compute_dtype(x: jax.Array) -> Any:
+    """The dtype LoRA factors are rounded to before meeting activation `x`: its own if 16-bit, else float32."""
+    return x.dtype if accumulating_dot.is_low_precision(x) else jnp.float32
 
 
 def _forward(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
     s = _subscripts(spec)
     assert s is not None, spec
-    h = _contract(s.x, s.a, s.h, x, a) * scale
-    return _contract(s.h, s.b, s.out, h, b), h
+    lo = _compute_dtype(x)
+    h = contract(s.x, s.a, s.h, x, a.astype(lo)) * scale
+    return contract(s.h, s.b, s.out, h.astype(lo), b.astype(lo)), h
 
 
 def _lora_delta_fwd(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> tuple[jax.Array, tuple]:
@@ -105,10 +99,11 @@ def _lora_delta_bwd(spec: str, scale: float, res: tuple, g: jax.Array) -> tuple[
     """Gradients with the rank-r operand first in each dot, so XLA transposes only small tensors."""
     x, a, b, h = res
     s = _subscripts(spec)
-    gh = _contract(s.out, s.b, s.h, g, b) * scale
-    db = _contract(s.h, s.out, s.b, h, g)
-    da = _contract(s.h, s.x, s.a, gh, x)
-    dx = _contract(s.h, s.a, s.x, gh, a)
+    lo = _compute_dtype(x)
+    gh = contract(s.out, s.b, s.h, g.astype(lo), b.astype(lo)) * scale
+    db = contract(s.h, s.out, s.b, h, g)
+    da = contract(s.h, s.x, s.a, gh, x)
+    dx = contract(s.h, s.a, s.x, gh.astype(lo), a.astype(lo))
     return dx.astype(x.dtype), da.astype(a.dtype), db.astype(b.dtype)
 
 
@@ -124,11 +119,11 @@ def dot_general_spec(lhs_ndim: int, lhs_ca: Sequence[int], lhs_ba: Sequence[int]
     letters = iter(string.ascii_letters)
     x = [next(letters) for _ in range(lhs_ndim)]
     batch = "".join(x[i] for i in lhs_ba)
-    contract = "".join(x[i] for i in lhs_ca)
+    contracted = "".join(x[i] for i in lhs_ca)
     free = "".join(c for i, c in enumerate(x) if i not in lhs_ca and i not in lhs_ba)
     rank = next(letters)
     remain = "".join(next(letters) for _ in range(n_remain))
-    return f"{''.join(x)},{batch}{contract}{rank},{batch}{rank}{remain}->{batch}{free}{remain}"
+    return f"{''.join(x)},{batch}{contracted}{rank},{batch}{rank}{remain}->{batch}{free}{remain}"
 
 
 #: True while a function is traced that must not drop out (evaluation). Read at trace time.
@@ -167,7 +162,15 @@ def _lora_params(
 
 
 class LoraProvider(qwix.LoraProvider):
-    """`qwix.LoraProvider` whose low-rank path goes through `lora_delta`."""
+    """`qwix.LoraProvider` whose low-rank path goes through `lora_delta`.
+
+    Two more differences from Qwix, both about 16-bit (bfloat16) base models: every frozen
+    product the model makes (projections, attention, LM head) goes through
+    `accumulating_dot.dot_general`, so XLA's CPU backend runs it natively in bfloat16 instead
+    of upcasting both operands; and the adapted projection's output keeps the base's dtype
+    (as PEFT casts it back), where Qwix's `bf16 + float32 delta` silently turned every later
+    activation of the model into float32.
+    """
 
     def dot_general(
         self,
@@ -179,9 +182,14 @@ class LoraProvider(qwix.LoraProvider):
         out_sharding: Any = None,
     ) -> jax.Array:
         """The frozen (possibly quantized) product plus the LoRA delta (Qwix's shapes and params)."""
-        res = ptq.PtqProvider.dot_general(
-            self, lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding
-        )
+        rule, _ = self._get_current_rule_and_op_id("dot_general", only_rule=True)
+        if rule is None or rule.weight_qtype is None:  # what Qwix does unquantized, with a 16-bit fast path
+            self._get_current_rule_and_op_id("dot_general")  # Qwix's per-module op count, as its own call keeps it
+            res = accumulating_dot.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+        else:
+            res = ptq.PtqProvider.dot_general(
+                self, lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding
+            )
         rule, _ = self._get_current_rule_and_op_id("dot_general", repeated_call=True)
         if not isinstance(rule, qwix.LoraRule):
             return res
@@ -201,11 +209,14 @@ class LoraProvider(qwix.LoraProvider):
         spec = dot_general_spec(lhs.ndim, lhs_ca, lhs_ba, len(remain_shape))
         a = jnp.reshape(lora_a, (*batch_shape, *contract_shape, rule.rank))
         b = jnp.reshape(lora_b, (*batch_shape, rule.rank, *remain_shape))
-        return res + lora_delta(spec, lhs, a, b, rule.alpha / rule.rank)
+        return (res + lora_delta(spec, lhs, a, b, rule.alpha / rule.rank)).astype(res.dtype)
 
     def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> jax.Array:
         """The frozen (possibly quantized) einsum plus the LoRA delta (Qwix's shapes and params)."""
+        if "_dot_general" not in kwargs and accumulating_dot.is_low_precision(*operands):
+            kwargs["_dot_general"] = accumulating_dot.dot_general  # Qwix passes it on when it does not quantize
         res = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
+        kwargs.pop("_dot_general", None)
         rule, _ = self._get_current_rule_and_op_id("einsum", repeated_call=True)
         if not isinstance(rule, qwix.LoraRule):
             return res
@@ -223,5 +234,7 @@ class LoraProvider(qwix.LoraProvider):
         lhs = _dropout(lhs, rule.dropout)
         scale = rule.alpha / rule.rank
         if kwargs or _subscripts(lora_spec) is None:  # a form the explicit backward does not cover
-            return res + jnp.einsum(lora_spec, lhs, lora_a, lora_b, **kwargs) * scale
-        return res + lora_delta(lora_spec, lhs, lora_a, lora_b, scale)
+            delta = jnp.einsum(lora_spec, lhs, lora_a, lora_b, **kwargs) * scale
+        else:
+            delta = lora_delta(lora_spec, lhs, lora_a, lora_b, scale)
+        return (res + delta).astype(res.dtype)

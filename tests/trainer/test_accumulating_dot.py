@@ -1,0 +1,84 @@
+"""16-bit matmuls accumulate in float32 with 16-bit operands, forward and backward, and change no number.
+
+`accumulating_dot` exists for speed (XLA's CPU backend upcasts a `bf16 x bf16 -> bf16` dot to
+float32 but runs `bf16 x bf16 -> f32` natively), so these tests pin both halves: the values
+are those of the float32 product of the same operands, and the compiled program really
+feeds 16-bit operands to every dot.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lora_trainer import accumulating_dot
+
+CASES = [
+    # (lhs shape, rhs shape, dimension numbers): a projection, a [B,T,D] x [D,N,H] einsum-like,
+    # attention's batched form and a contraction over a leading dim.
+    ((6, 8), (8, 5), (((1,), (0,)), ((), ()))),
+    ((2, 3, 8), (8, 2, 4), (((2,), (0,)), ((), ()))),
+    ((2, 3, 4, 8), (2, 3, 8, 5), (((3,), (2,)), ((0, 1), (0, 1)))),
+    ((7, 6), (7, 5), (((0,), (0,)), ((), ()))),
+]
+
+
+def dot_operand_types(hlo: str) -> list[tuple[str, ...]]:
+    """The element types of every dot's operands in an optimized HLO module (names are module-unique)."""
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    return [tuple(types[a] for a in ops) for ops in re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)]
+
+
+@pytest.mark.parametrize(("ls", "rs", "dims"), CASES)
+def test_subscripts_describe_the_same_product(ls: tuple[int, ...], rs: tuple[int, ...], dims: accumulating_dot.DotDims) -> None:
+    x, w = jax.random.normal(jax.random.key(0), ls), jax.random.normal(jax.random.key(1), rs)
+    lhs, rhs, out = accumulating_dot.subscripts(len(ls), len(rs), dims)
+    np.testing.assert_allclose(jnp.einsum(f"{lhs},{rhs}->{out}", x, w), jax.lax.dot_general(x, w, dims), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("ls", "rs", "dims"), CASES)
+def test_bfloat16_values_and_gradients_are_the_float32_ones_rounded(
+    ls: tuple[int, ...], rs: tuple[int, ...], dims: accumulating_dot.DotDims
+) -> None:
+    keys = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(keys[0], ls).astype(jnp.bfloat16)
+    w = jax.random.normal(keys[1], rs).astype(jnp.bfloat16)
+
+    def wide(x: jax.Array, w: jax.Array) -> jax.Array:  # the same operands, exactly, in float32
+        return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), dims)
+
+    out, vjp = jax.vjp(lambda x, w: accumulating_dot.dot_general(x, w, dims), x, w)
+    ref, ref_vjp = jax.vjp(wide, x, w)
+    g = jax.random.normal(keys[2], out.shape).astype(jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.float32(out), np.float32(ref.astype(jnp.bfloat16)), rtol=1e-2, atol=1e-2)
+    for got, want in zip(vjp(g), ref_vjp(g.astype(jnp.float32)), strict=True):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=2e-2, atol=2e-2)
+
+
+def test_float32_is_passed_through_unchanged() -> None:
+    x, w = jax.random.normal(jax.random.key(0), (6, 8)), jax.random.normal(jax.random.key(1), (8, 5))
+    dims = (((1,), (0,)), ((), ()))
+    assert not accumulating_dot.is_low_precision(x, w)
+    np.testing.assert_array_equal(accumulating_dot.dot_general(x, w, dims), jax.lax.dot_general(x, w, dims))
+    assert not accumulating_dot.is_low_precision(x.astype(jnp.bfloat16), w)  # mixed: promoted as JAX does
+
+
+def test_compiled_forward_and_backward_feed_bfloat16_to_every_dot() -> None:
+    """What makes it fast on CPU: no dot of the step (activation gradient included) gets float32 operands."""
+    x = jnp.ones((64, 32), jnp.bfloat16)
+    w = jnp.ones((32, 48), jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+
+    def loss(x: jax.Array) -> jax.Array:
+        return jnp.sum(accumulating_dot.dot_general(x, w, dims).astype(jnp.float32) ** 2)
+
+    hlo = jax.jit(jax.value_and_grad(loss)).lower(x).compile().as_text()
+    types = dot_operand_types(hlo)
+    assert len(types) == 2, hlo  # the forward product and the input gradient (w is a constant)
+    assert all(t == ("bf16", "bf16") for t in types), types

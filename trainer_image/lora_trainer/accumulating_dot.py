@@ -1,0 +1,129 @@
+"""Matmuls on bfloat16 (or float16) operands that accumulate in float32, forward and backward.
+
+Why this exists (docs/benchmarks.md, "Trainer: findings"): XLA's CPU backend runs a
+`bf16 x bf16 -> bf16` dot by converting both operands to float32 and running a float32 dot
+(~180 GFLOP/s on the benchmark machine), while `bf16 x bf16 -> f32` runs natively on
+bfloat16 hardware (AVX512_BF16 via YNNPACK, ~360 GFLOP/s). JAX's own transpose rules feed the
+float32 cotangent of such a dot back into mixed-precision dots, so the backward would fall
+back to the slow path; `accumulating_dot_general` states its backward with bfloat16 operands.
+
+The numbers do not change: a product of two bfloat16 values is exact in float32, and every
+backend (TPU and GPU included) accumulates bfloat16 dots in float32 anyway; the result is
+rounded once, by the caller. Float32 operands never take this path.
+
+`contract` (one einsum as one `dot_general` with a fixed operand order) is shared with the
+LoRA provider's hand-written backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import string
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+DotDims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def is_low_precision(*operands: Any) -> bool:
+    """True when every operand is a JAX/NumPy array of one 16-bit float dtype (bfloat16 or float16)."""
+    dtypes = {getattr(x, "dtype", None) for x in operands}
+    if len(dtypes) != 1:
+        return False
+    (dtype,) = dtypes
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
+
+
+def contract(lhs_sub: str, rhs_sub: str, out_sub: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """`einsum(f"{lhs_sub},{rhs_sub}->{out_sub}")` as one dot_general with `lhs` as its first operand.
+
+    `jnp.einsum` may pick the operand order itself; XLA then decides which operand to copy
+    into a transposed layout from that order, so it is fixed here. Letters in both operands
+    and the output are batch dims, in both only are contracted; the result (dot_general's
+    batch, lhs-free, rhs-free order) is transposed to `out_sub`. Operands of one 16-bit float
+    dtype accumulate in float32 and the result stays float32; otherwise they are promoted as
+    `jnp.einsum` promotes them (a bfloat16 activation with float32 LoRA params: float32).
+    """
+    batch = [c for c in lhs_sub if c in rhs_sub and c in out_sub]
+    contracted = [c for c in lhs_sub if c in rhs_sub and c not in out_sub]
+    dims = (
+        (tuple(lhs_sub.index(c) for c in contracted), tuple(rhs_sub.index(c) for c in contracted)),
+        (tuple(lhs_sub.index(c) for c in batch), tuple(rhs_sub.index(c) for c in batch)),
+    )
+    got = "".join(batch) + "".join(c for c in lhs_sub if c not in rhs_sub) + "".join(c for c in rhs_sub if c not in lhs_sub)
+    if is_low_precision(lhs, rhs):
+        out = jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+    else:
+        dtype = jnp.result_type(lhs, rhs)
+        out = jax.lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dims)
+    return out if got == out_sub else jnp.transpose(out, [got.index(c) for c in out_sub])
+
+
+@functools.lru_cache(maxsize=None)
+def subscripts(lhs_ndim: int, rhs_ndim: int, dims: DotDims) -> tuple[str, str, str]:
+    """Einsum subscripts (lhs, rhs, out) of `dot_general(lhs, rhs, dims)`; out in dot_general's order."""
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = dims
+    letters = iter(string.ascii_letters)
+    lhs = [next(letters) for _ in range(lhs_ndim)]
+    rhs = [""] * rhs_ndim
+    for i, j in zip(lhs_c + lhs_b, rhs_c + rhs_b, strict=True):
+        rhs[j] = lhs[i]
+    rhs = [c or next(letters) for c in rhs]
+    out = [lhs[i] for i in lhs_b]
+    out += [c for i, c in enumerate(lhs) if i not in lhs_c and i not in lhs_b]
+    out += [c for j, c in enumerate(rhs) if j not in rhs_c and j not in rhs_b]
+    return "".join(lhs), "".join(rhs), "".join(out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def accumulating_dot_general(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> jax.Array:
+    """`dot_general(lhs, rhs, dims)` of two 16-bit float operands, as float32 (round it once, after any add)."""
+    return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+
+
+def _fwd(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return accumulating_dot_general(lhs, rhs, dims), (lhs, rhs)
+
+
+def _bwd(dims: DotDims, res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Both gradients as 16-bit dots accumulating in float32: the cotangent is rounded to the operands' dtype first."""
+    lhs, rhs = res
+    ls, rs, os = subscripts(lhs.ndim, rhs.ndim, dims)
+    g = g.astype(lhs.dtype)
+    d_lhs = contract(os, rs, ls, g, rhs)
+    d_rhs = contract(ls, os, rs, lhs, g)  # unused (and dropped by XLA) for a frozen weight
+    return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
+
+
+accumulating_dot_general.defvjp(_fwd, _bwd)
+
+
+def _canonical(dims: Any) -> DotDims:
+    """Dimension numbers as nested tuples of ints (hashable: they are a static argument)."""
+    (lc, rc), (lb, rb) = dims
+    return ((tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb))))
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """Drop-in `jax.lax.dot_general`: 16-bit operands accumulate in float32, the result keeps their dtype.
+
+    Also `jnp.einsum`'s `_dot_general` hook (einsum passes the operands' dtype as
+    `preferred_element_type`). Anything else (float32, integers, a wider requested output, an
+    explicit precision or sharding) is passed to `jax.lax.dot_general` unchanged.
+    """
+    plain = precision is not None or out_sharding is not None
+    wider = preferred_element_type is not None and jnp.dtype(preferred_element_type) != lhs.dtype
+    if plain or wider or not is_low_precision(lhs, rhs):
+        return jax.lax.dot_general(
+            lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding
+        )
+    return accumulating_dot_general(lhs, rhs, _canonical(dimension_numbers)).astype(lhs.dtype)
