@@ -1,18 +1,21 @@
 """LoRA training throughput of the trainer vs HF transformers + peft + torch, same shapes, same run.
 
 Model: Llama-3-shaped, 4 layers, hidden 512, 8 query / 2 key-value heads of 64, MLP 1408,
-vocab 8192, float32, random weights (written as an HF checkpoint by `tiny_models` and
-loaded by the trainer's own loader). Batch 8 x 256 tokens, LoRA rank 16 (alpha 32) on all
-seven projections, AdamW. Measured round-robin (one step of each per round, `--steps` rounds after warm-up), median:
+vocab 8192, random weights (written as an HF checkpoint by `tiny_models` and loaded by the
+trainer's own loader), base in float32 and in bfloat16 (the trainer's default; float32 LoRA
+params either way). Batch 8 x 256 tokens, LoRA rank 16 (alpha 32) on all seven projections,
+AdamW. Per dtype, measured round-robin (one step of each per round, `--steps` rounds after warm-up), median:
   - trainer:  the production step, `train.make_trainer(...).train([batch])` (Tunix PeftTrainer);
   - raw lora: the same loss and LoRA-only gradient in a bare `nnx.jit` step (Tunix's overhead);
   - full ft:  every parameter trained, bare `nnx.jit` step (the fraction's denominator);
   - forward:  the loss alone, jitted;
-  - torch:    transformers LlamaForCausalLM + peft LoRA, loss.backward() + AdamW.step().
+  - torch:    transformers LlamaForCausalLM + peft LoRA, loss.backward() + AdamW.step(); for
+              bfloat16 the same mixed-precision recipe as the trainer's: bf16 base, PEFT's
+              float32 adapters, matmuls under `torch.autocast(bfloat16)`.
 Tokens/s counts all 8 x 256 tokens. On an accelerator (`--jax-only`), the trainer's step
 is measured on the default JAX backend and MFU is reported from lora_trainer.metrics.
 Writes the "Trainer" section of docs/benchmarks.md unless `--no-write`.
-Run by hand: `.venv/bin/python bench/train_throughput.py [--steps 5] [--no-write] [--jax-only]`.
+Run by hand: `.venv/bin/python bench/train_throughput.py [--steps 5] [--dtype D ...] [--no-write] [--jax-only]`.
 """
 
 from __future__ import annotations
@@ -54,10 +57,11 @@ SHAPE = {
     "max_position_embeddings": 512,
 }
 BATCH, SEQ, RANK, ALPHA = 8, 256, 16, 32.0
-#: The trainer measured (for its compile count).
+#: The trainer measured (for its compile count); the last dtype's.
 TRAINER: list[Any] = []
-#: XLA's FLOP count (cost analysis of the compiled step) per row.
+#: XLA's FLOP count (cost analysis of the compiled step) per row; the last dtype's.
 FLOPS: dict[str, float] = {}
+DTYPES = ("bfloat16", "float32")
 #: The LM head's matmul, [batch*seq, hidden] x [hidden, vocab]: the step's largest, the machine's best case.
 MATMUL = (BATCH * SEQ, 512, 8192)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -87,7 +91,7 @@ def _batch() -> dict[str, np.ndarray]:
     return {"input_tokens": tokens, "input_mask": ones, "segment_ids": ones, "positions": np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1))}
 
 
-def jax_steps(model_dir: Path, *, full: bool) -> dict[str, Callable[[], Any]]:
+def jax_steps(model_dir: Path, dtype: str, *, full: bool) -> dict[str, Callable[[], Any]]:
     import jax
     import optax
     from flax import nnx
@@ -101,10 +105,12 @@ def jax_steps(model_dir: Path, *, full: bool) -> dict[str, Callable[[], Any]]:
     batch = _batch()
 
     def lora_model() -> nnx.Module:
-        loaded = load_model(str(model_dir), dtype="float32")
+        loaded = load_model(str(model_dir), dtype=dtype)
         return apply_lora(loaded.model, LoraSpec(rank=RANK, alpha=ALPHA), loaded.family, seed=0).model
 
     out: dict[str, Callable[[], Any]] = {}
+    TRAINER.clear()
+    FLOPS.clear()
 
     mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
     # The trainer owns its model (as in production): rows sharing one model would hand each other
@@ -143,11 +149,12 @@ def jax_steps(model_dir: Path, *, full: bool) -> dict[str, Callable[[], Any]]:
     out["forward"] = lambda: jax.block_until_ready(forward(bare_model, inputs))
     FLOPS["forward"] = _xla_flops(forward, bare_model, inputs)
     if full:
-        full_model = load_model(str(model_dir), dtype="float32").model
+        full_model = load_model(str(model_dir), dtype=dtype).model
         out["full ft"] = bare_step(full_model, nnx.Param)
         FLOPS["full ft"] = _xla_flops(grads(nnx.Param), full_model, inputs)
-    a, b = jax.numpy.ones(MATMUL[:2]), jax.numpy.ones(MATMUL[1:])
-    matmul = jax.jit(jax.numpy.matmul)
+    a, b = jax.numpy.ones(MATMUL[:2], dtype), jax.numpy.ones(MATMUL[1:], dtype)
+    # 16-bit operands accumulating in float32: XLA's fast form on CPU, as the trainer's step uses it.
+    matmul = jax.jit(lambda a, b: jax.numpy.matmul(a, b, preferred_element_type=jax.numpy.float32))
     out["jax matmul"] = lambda: jax.block_until_ready(matmul(a, b))
     return out
 
@@ -157,19 +164,21 @@ def _xla_flops(fn: Any, *args: Any) -> float:
     return float(fn.lower(*args).compile().cost_analysis()["flops"])
 
 
-def torch_step(model_dir: Path) -> Callable[[], Any]:
+def torch_step(model_dir: Path, dtype: str) -> Callable[[], Any]:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    low = dtype != "float32"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.from_numpy(_batch()["input_tokens"]).long()
 
     def step() -> None:
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=getattr(torch, dtype), enabled=low):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -178,11 +187,11 @@ def torch_step(model_dir: Path) -> Callable[[], Any]:
     return step
 
 
-def torch_matmul() -> Callable[[], Any]:
-    """The LM head's matmul in torch (float32), the same shapes as the JAX row."""
+def torch_matmul(dtype: str) -> Callable[[], Any]:
+    """The LM head's matmul in torch, the same shapes and dtype as the JAX row."""
     import torch
 
-    a, b = torch.ones(MATMUL[:2]), torch.ones(MATMUL[1:])
+    a, b = torch.ones(MATMUL[:2], dtype=getattr(torch, dtype)), torch.ones(MATMUL[1:], dtype=getattr(torch, dtype))
     return lambda: torch.matmul(a, b)
 
 
@@ -191,88 +200,114 @@ def _compiles() -> int:
     return int(TRAINER[0]._jitted_train_step_fn.func.jitted_fn._cache_size())
 
 
-def _section(r: dict[str, float], load: float, steps: int) -> str:
+def _subsection(r: dict[str, float], dtype: str) -> str:
+    """One dtype's table and ratios (FLOPS and TRAINER hold that dtype's run)."""
     tok = BATCH * SEQ
     mm_flops = 2.0 * MATMUL[0] * MATMUL[1] * MATMUL[2]
+    torch_name = "torch 2.13 + transformers + peft LoRA step" + (" (autocast)" if dtype != "float32" else "")
     rows = [
         ("trainer: Tunix PeftTrainer step (production path)", r["trainer"], FLOPS["raw lora"]),
         ("bare `nnx.jit` LoRA step (same loss, LoRA-only grads)", r["raw lora"], FLOPS["raw lora"]),
         ("bare `nnx.jit` full fine-tune step", r["full ft"], FLOPS["full ft"]),
         ("forward only (loss)", r["forward"], FLOPS["forward"]),
-        ("torch 2.13 + transformers + peft LoRA step", r["torch"], None),
+        (torch_name, r["torch"], None),
     ]
     table = "\n".join(
         f"| {name} | {t:.3f} | {tok / t:,.0f} | {f / 1e9:.0f} | {f / t / 1e9:.0f} |" if f else f"| {name} | {t:.3f} | {tok / t:,.0f} | | |"
         for name, t, f in rows
     )
     ratio = r["torch"] / r["trainer"]
-    frac = r["trainer"] / r["full ft"]
     met = "met" if ratio >= 1.5 else "NOT met"
     peak = mm_flops / r["jax matmul"]
     floor = FLOPS["raw lora"] / peak
-    return f"""{SECTION}
-
-`bench/train_throughput.py` (run by hand): a Llama-3-shaped model (4 layers, hidden 512,
-8/2 heads of 64, MLP 1408, vocab 8192, float32, random), batch {BATCH} x {SEQ} tokens, LoRA rank
-{RANK} (alpha {ALPHA:g}) on all seven projections, AdamW; the same shapes and batch for every
-row, all in one run, median of {steps} rounds after 2 warm-up steps, the rows measured round-robin
-(one step of each per round) so that other load hits every row alike. Machine: {platform.machine()},
-{os.cpu_count()} CPUs shared with other work (1-minute load average {load:.1f} at the end), JAX CPU.
-GFLOP is XLA's own count for the compiled loss + gradients (its cost analysis). glibc malloc
-tuned as `run_training` tunes it (`lora_trainer.host_memory`): {"yes" if HOST_MEMORY_TUNED else "NO"}.
+    full_note = (
+        " (the full fine-tune's weight gradients do not take the 16-bit fast path: only the LoRA provider routes"
+        " the model's matmuls through it)"
+        if dtype != "float32"
+        else ""
+    )
+    return f"""### {dtype} base{" (the trainer's default)" if dtype == "bfloat16" else ""}
 
 | step | seconds | tokens/s | GFLOP | GFLOP/s |
 |---|---|---|---|---|
 {table}
 
 Trainer vs torch+peft: **{ratio:.2f}x** (target >= 1.5: {met}). LoRA step / full fine-tune
-step: **{frac:.2f}** in time, **{FLOPS["raw lora"] / FLOPS["full ft"]:.2f}** in FLOPs (physical floor ~0.67).
+step: **{r["trainer"] / r["full ft"]:.2f}** in time{full_note}, **{FLOPS["raw lora"] / FLOPS["full ft"]:.2f}** in FLOPs (physical floor ~0.67).
 Tunix's per-step overhead over a bare jitted step: {r["trainer"] - r["raw lora"]:+.3f} s. The trainer's step
-compiled {_compiles()} time(s) in {steps + 2} steps.
-The machine's best case in the same run, the LM head's matmul alone ({MATMUL[0]} x {MATMUL[1]} x {MATMUL[2]}, float32):
+compiled {_compiles()} time(s) in the run.
+The machine's best case in the same run, the LM head's matmul alone ({MATMUL[0]} x {MATMUL[1]} x {MATMUL[2]}, {dtype}):
 JAX {r["jax matmul"] * 1e3:.0f} ms = {peak / 1e9:.0f} GFLOP/s, torch {r["torch matmul"] * 1e3:.0f} ms =
 {mm_flops / r["torch matmul"] / 1e9:.0f} GFLOP/s. At that rate the LoRA step's {FLOPS["raw lora"] / 1e9:.0f} GFLOP cannot take
-less than {floor:.3f} s, so no float32 LoRA step on this machine can beat this torch step by more than
-{r["torch"] / floor:.2f}x. Measured {time.strftime("%Y-%m-%d")}.
+less than {floor:.3f} s, at most {r["torch"] / floor:.2f}x this torch step.
 """
+
+
+def _section(parts: list[str], load: float, steps: int) -> str:
+    body = "\n".join(parts)
+    return f"""{SECTION}
+
+`bench/train_throughput.py` (run by hand): a Llama-3-shaped model (4 layers, hidden 512,
+8/2 heads of 64, MLP 1408, vocab 8192, random), batch {BATCH} x {SEQ} tokens, LoRA rank
+{RANK} (alpha {ALPHA:g}) on all seven projections, AdamW, LoRA params float32; the same shapes and
+batch for every row, all in one run, median of {steps} rounds after 2 warm-up steps, the rows
+of one dtype measured round-robin (one step of each per round) so that other load hits every
+row alike. Machine: {platform.machine()}, {os.cpu_count()} CPUs shared with other work (1-minute
+load average {load:.1f} at the end), JAX CPU. GFLOP is XLA's own count for the compiled loss +
+gradients (its cost analysis). glibc malloc tuned as `run_training` tunes it
+(`lora_trainer.host_memory`): {"yes" if HOST_MEMORY_TUNED else "NO"}. Measured {time.strftime("%Y-%m-%d")}.
+
+{body}"""
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES), help="base dtypes to measure")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--jax-only", action="store_true", help="only the trainer step on the default JAX backend (+ MFU)")
     args = p.parse_args()
     from lora_trainer.tiny_models import make_tiny_hf_model
 
+    parts = []
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         model_dir = make_tiny_hf_model("llama3", Path(tmp) / "llama", seed=0, **SHAPE)
-        if args.jax_only:
-            import jax
-
-            from lora_trainer import metrics
-
-            r = _interleaved({"trainer": jax_steps(model_dir, full=False)["trainer"]}, 2, args.steps)
-            tps = BATCH * SEQ / r["trainer"]
-            # matmul params: 4 layers of attention+MLP projections plus the untied LM head.
-            h, m, v, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"], 2 * 64
-            per_layer = h * h * 2 + h * kv * 2 + 3 * h * m
-            lora = SHAPE["num_hidden_layers"] * RANK * (2 * h + 2 * h + 2 * (h + kv) + 2 * (h + m) + (m + h))
-            fpt = metrics.lora_train_flops_per_token(
-                matmul_params=4 * per_layer + h * v, lora_params=lora, num_layers=4, attn_width=h, seq_len=SEQ
+        for dtype in args.dtype:
+            if args.jax_only:
+                _accelerator(model_dir, dtype, args.steps)
+                continue
+            r = _interleaved(
+                {**jax_steps(model_dir, dtype, full=True), "torch": torch_step(model_dir, dtype), "torch matmul": torch_matmul(dtype)},
+                2,
+                args.steps,
             )
-            kinds = [d.device_kind for d in jax.devices()[:1]]
-            print(f"{kinds[0]}: trainer step {r['trainer']:.4f} s, {tps:,.0f} tokens/s, mfu {metrics.mfu(tps, fpt, kinds)}")
-            return 0
-        r = _interleaved({**jax_steps(model_dir, full=True), "torch": torch_step(model_dir), "torch matmul": torch_matmul()}, 2, args.steps)
-    for k, v in r.items():
-        print(f"{k:10s} {v:.3f} s  {BATCH * SEQ / v:,.0f} tokens/s")
-    print(f"trainer step compiles: {_compiles()}")
-    text = _section(r, os.getloadavg()[0], args.steps)
+            for k, v in r.items():
+                print(f"{dtype} {k:10s} {v:.3f} s  {BATCH * SEQ / v:,.0f} tokens/s")
+            parts.append(_subsection(r, dtype))
+    if args.jax_only:
+        return 0
+    text = _section(parts, os.getloadavg()[0], args.steps)
     print(text)
     if not args.no_write:
         report.write_section(SECTION, text)
     return 0
+
+
+def _accelerator(model_dir: Path, dtype: str, steps: int) -> None:
+    """The trainer's step on the default JAX backend (an accelerator when there is one), with MFU."""
+    import jax
+
+    from lora_trainer import metrics
+
+    r = _interleaved({"trainer": jax_steps(model_dir, dtype, full=False)["trainer"]}, 2, steps)
+    tps = BATCH * SEQ / r["trainer"]
+    # matmul params: 4 layers of attention+MLP projections plus the untied LM head.
+    h, m, v, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"], 2 * 64
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * m
+    lora = SHAPE["num_hidden_layers"] * RANK * (2 * h + 2 * h + 2 * (h + kv) + 2 * (h + m) + (m + h))
+    fpt = metrics.lora_train_flops_per_token(matmul_params=4 * per_layer + h * v, lora_params=lora, num_layers=4, attn_width=h, seq_len=SEQ)
+    kinds = [d.device_kind for d in jax.devices()[:1]]
+    print(f"{kinds[0]} {dtype}: trainer step {r['trainer']:.4f} s, {tps:,.0f} tokens/s, mfu {metrics.mfu(tps, fpt, kinds)}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ class ModelSpec(ApiModel):
     family: Family | None = None
     """Model family; detected from the checkpoint's `config.json` (`model_type`) when omitted."""
     dtype: DType = "bfloat16"
-    """Dtype the base weights are loaded and computed in. LoRA parameters are always float32."""
+    """Dtype the base weights are loaded and computed in (matmuls accumulate in float32). LoRA parameters are always float32 (rounded to a 16-bit dtype where they meet activations, as torch.autocast does)."""
 
 
 class DatasetSpec(ApiModel):
