@@ -82,7 +82,7 @@ def test_adapter_only_checkpoints_are_layer_stacked(tmp_path):
     tree = _layered_tree(0)
     ckpt.write_lora(root, 0, tree, META)
     stored = ckpt.read_metadata(root)["loraLayout"]
-    assert stored == {"stacked": {"layers/{i}/attn/kv_einsum/k_proj": [0, 1, 2], "layers/{i}/attn/q_proj": [0, 1, 2]}}
+    assert stored == {"stacked": {"layers/{i}/attn/kv_einsum/k_proj": [0, 1, 2], "layers/{i}/attn/q_proj": [0, 1, 2]}, "axes": {}}
     got, meta = ckpt.read_lora(root)
     _assert_tree_equal(got, tree)
     assert list(got) == sorted(tree)
@@ -93,6 +93,33 @@ def test_adapter_only_checkpoints_are_layer_stacked(tmp_path):
     # Orbax holds one array per stacked parameter.
     assert (tmp_path / "adapter" / "0" / "lora" / "layers" / "{i}" / "attn" / "q_proj.w_lora_a").is_dir()
     assert not (tmp_path / "adapter" / "0" / "lora" / "layers" / "0").exists()
+
+
+def test_views_are_stacked_in_their_memory_order(tmp_path):
+    """An imported PEFT adapter is views of its file ([r, in] seen as [in, r]; [out, r] seen as
+    [r, heads, head_dim]): stored in the order its bytes have, read back as the same views."""
+    rng = np.random.default_rng(3)
+    peft = {i: (rng.standard_normal((2, 8)).astype(np.float32), rng.standard_normal((8, 2)).astype(np.float32)) for i in range(3)}
+    tree = {f"layers/{i}/attn/q_proj": {"w_lora_a": a.T, "w_lora_b": b.T.reshape(2, 2, 4)} for i, (a, b) in peft.items()}
+    tree["layers/0/mlp"] = tree["layers/1/mlp"] = {"w_lora_a": np.ones((4, 4), np.float32)[:, ::2]}  # no contiguous order
+    root = str(tmp_path / "adapter")
+    ckpt.write_lora(root, 0, tree, META)
+    layout = ckpt.read_metadata(root)["loraLayout"]
+    assert layout["axes"] == {"layers/{i}/attn/q_proj": {"w_lora_a": [1, 0], "w_lora_b": [1, 2, 0]}}
+    got, _ = ckpt.read_lora(root)
+    _assert_tree_equal(got, tree)
+    for i, (a, b) in peft.items():
+        # The stored bytes are PEFT's own: the per-layer arrays are plain views back to PEFT's layout.
+        np.testing.assert_array_equal(got[f"layers/{i}/attn/q_proj"]["w_lora_a"].T, a)
+        assert got[f"layers/{i}/attn/q_proj"]["w_lora_a"].T.flags.c_contiguous
+        assert got[f"layers/{i}/attn/q_proj"]["w_lora_b"].transpose(1, 2, 0).reshape(8, 2).flags.c_contiguous
+
+
+def test_memory_order():
+    x = np.zeros((3, 4, 5), np.float32)
+    assert ckpt._memory_order(x) == [0, 1, 2]
+    assert ckpt._memory_order(x.transpose(2, 0, 1)) == [1, 2, 0]
+    assert ckpt._memory_order(x[:, ::2]) == [0, 1, 2]  # strided: no order is contiguous, stored as is
 
 
 def test_unequal_or_odd_groups_stay_per_path(tmp_path):
@@ -106,7 +133,7 @@ def test_unequal_or_odd_groups_stay_per_path(tmp_path):
         tree[f"odd{{i}}/{i}/x"] = {"w_lora_a": np.full((2,), i, np.float32)}
     root = str(tmp_path / "adapter")
     ckpt.write_lora(root, 0, tree, META)
-    assert ckpt.read_metadata(root)["loraLayout"] == {"stacked": {}}
+    assert ckpt.read_metadata(root)["loraLayout"] == {"stacked": {}, "axes": {}}
     got, _ = ckpt.read_lora(root)
     _assert_tree_equal(got, tree)
     assert got["layers/0/attn/kv_einsum/k_proj"]["w_lora_a"].dtype == np.float16
@@ -252,7 +279,7 @@ def test_gcs_many_arrays(gcs_bucket):
     tree["layers/7/attn/q_proj"] = {"w_lora_a": np.ones((3, 2), np.float32)}  # stays per path
     root = f"gs://{gcs_bucket}/test_checkpoint/many"
     ckpt.write_lora(root, 1, tree, META)
-    assert ckpt.read_metadata(root)["loraLayout"] == {"stacked": {"layers/{i}/mlp/up_proj": list(range(40))}}
+    assert ckpt.read_metadata(root)["loraLayout"] == {"stacked": {"layers/{i}/mlp/up_proj": list(range(40))}, "axes": {}}
     _assert_tree_equal(ckpt.read_lora(root)[0], tree)
 
 

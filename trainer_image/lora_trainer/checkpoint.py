@@ -208,7 +208,7 @@ def read_lora(root: str, step: int | None = None) -> tuple[LoraTree, dict[str, A
         )
     metadata = dict(restored[METADATA])
     layout = metadata.pop(LAYOUT, None) or {}
-    return _unstack_layers(restored[LORA], layout.get("stacked", {})), metadata
+    return _unstack_layers(restored[LORA], layout.get("stacked", {}), layout.get("axes", {})), metadata
 
 
 def _check_metadata(metadata: Mapping[str, Any], where: str) -> None:
@@ -221,10 +221,10 @@ def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], meta
     """Write an adapter-only checkpoint (items `lora` + `metadata`) and wait until it is committed.
 
     The `lora` item is stored layer-stacked (`_stack_layers`) and `metadata[LAYOUT]` records
-    which groups were stacked; `read_lora` restores the per-path tree.
+    which groups were stacked, and in which axis order; `read_lora` restores the per-path tree.
     """
     _check_metadata(metadata, root)
-    stored, stacked = _stack_layers(_as_dict_tree(tree))
+    stored, stacked, axes = _stack_layers(_as_dict_tree(tree))
     _quiet_orbax()
     with _storage_faults(root):
         mgr = ocp.CheckpointManager(
@@ -237,7 +237,7 @@ def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], meta
                 step,
                 args=ocp.args.Composite(
                     lora=ocp.args.PyTreeSave(stored),
-                    metadata=ocp.args.JsonSave({**metadata, "step": step, LAYOUT: {"stacked": stacked}}),
+                    metadata=ocp.args.JsonSave({**metadata, "step": step, LAYOUT: {"stacked": stacked, "axes": axes}}),
                 ),
                 force=True,
             )
@@ -287,15 +287,31 @@ def _stack(arrays: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def _stack_layers(tree: LoraTree) -> tuple[LoraTree, dict[str, list[int]]]:
+def _memory_order(a: np.ndarray) -> list[int]:
+    """The axis order in which `a`'s elements lie contiguously in memory (identity if none does).
+
+    An imported PEFT adapter arrives as views of its file: Qwix's `[in, r]` A is PEFT's
+    contiguous `[r, in]` transposed, and a `[r, heads, head_dim]` B is PEFT's `[out, r]`
+    transposed and split. Storing each in the order its bytes already have makes stacking a
+    plain copy instead of a transposing one, and `export` gets PEFT's layout back as views.
+    """
+    if a.flags.c_contiguous or a.ndim < 2:
+        return list(range(a.ndim))
+    order = sorted(range(a.ndim), key=lambda i: -a.strides[i])
+    return order if np.transpose(a, order).flags.c_contiguous else list(range(a.ndim))
+
+
+def _stack_layers(tree: LoraTree) -> tuple[LoraTree, dict[str, list[int]], dict[str, dict[str, list[int]]]]:
     """Group module paths that differ only by their layer index into one array per parameter.
 
     Why: Orbax and TensorStore spend a fixed cost per array, which dominates for LoRA's many
     small arrays (an 8B Llama adapter: 448 arrays, ~7x slower to write and ~8x slower to
     read than the same bytes as 14 stacked arrays, both uncompressed). A group `layers/{i}/attn/q_proj` holds
     `{name: array[n_layers, ...]}` with the layers in ascending order; the returned
-    `{template: [layer, ...]}` is the layout record. Groups of one path, of unequal names,
-    shapes or dtypes, or whose template is itself a path, stay per path.
+    `{template: [layer, ...]}` is the layout record. Each parameter is stacked in its members'
+    memory order (`_memory_order`): `{template: {name: axes}}` records every order that is not
+    the identity, the stored array being `stack([transpose(member, axes), ...])`. Groups of one
+    path, of unequal names, shapes or dtypes, or whose template is itself a path, stay per path.
     """
     groups: dict[str, dict[int, str]] = {}
     for path in tree:
@@ -304,25 +320,36 @@ def _stack_layers(tree: LoraTree) -> tuple[LoraTree, dict[str, list[int]]]:
             groups.setdefault(found[0], {})[found[1]] = path
     stored: LoraTree = {}
     stacked: dict[str, list[int]] = {}
+    axes: dict[str, dict[str, list[int]]] = {}
     for template, members in sorted(groups.items()):
         layers = sorted(members)
         params = [tree[members[i]] for i in layers]
         if len(layers) < 2 or template in tree or not _stackable(params):
             continue
-        stored[template] = {name: _stack([p[name] for p in params]) for name in params[0]}
+        stored[template] = {}
+        for name in params[0]:
+            order = _memory_order(params[0][name])
+            if any(_memory_order(p[name]) != order for p in params[1:]):
+                order = list(range(params[0][name].ndim))
+            if order != sorted(order):
+                axes.setdefault(template, {})[name] = order
+            stored[template][name] = _stack([np.transpose(p[name], order) for p in params])
         stacked[template] = layers
     grouped = {members[i] for t, members in groups.items() if t in stacked for i in members}
     stored.update({p: v for p, v in tree.items() if p not in grouped})
-    return stored, stacked
+    return stored, stacked, axes
 
 
-def _unstack_layers(tree: LoraTree, stacked: Mapping[str, list[int]]) -> LoraTree:
+def _unstack_layers(tree: LoraTree, stacked: Mapping[str, list[int]], axes: Mapping[str, Mapping[str, list[int]]]) -> LoraTree:
     """The per-path tree of a stored `lora` item; each stacked group becomes views of its arrays."""
     out: LoraTree = {p: v for p, v in tree.items() if p not in stacked}
     for template, layers in stacked.items():
         params = tree[template]
+        inverse = {n: np.argsort(order).tolist() for n, order in axes.get(template, {}).items()}
         for k, layer in enumerate(layers):
-            out[template.replace(LAYER, str(layer), 1)] = {n: a[k] for n, a in params.items()}
+            out[template.replace(LAYER, str(layer), 1)] = {
+                n: (np.transpose(a[k], inverse[n]) if n in inverse else a[k]) for n, a in params.items()
+            }
     return dict(sorted(out.items()))
 
 
