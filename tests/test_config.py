@@ -43,9 +43,17 @@ def test_the_trainer_cli_refuses_a_bad_config_file_with_the_user_error_code(tmp_
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(json.dumps({**MINIMAL, "training": {"steps": 0}}))
+    bad_uri = tmp_path / "bad_uri.yaml"
+    bad_uri.write_text(json.dumps({**MINIMAL, "output": {"uri": "hf://org/run"}}))
     broken = tmp_path / "broken.yaml"
     broken.write_text("model: [unclosed")
-    cases = [(tmp_path / "absent.yaml", "cannot read"), (broken, "not valid YAML"), (bad, "training.steps")]
+    cases = [
+        (tmp_path / "absent.yaml", "cannot read"),
+        (broken, "not valid YAML"),
+        (bad, "training.steps"),
+        # The same words as the operator's status condition, not pydantic's regex.
+        (bad_uri, "output.uri: 'hf://org/run' is not a supported location; use a local path, gs://BUCKET/PATH or file:///PATH"),
+    ]
     for path, message in cases:
         assert cli.main(["train", "--config", str(path)]) == exit_codes.USER_ERROR
         err = capsys.readouterr().err

@@ -20,7 +20,7 @@ from lora_operator.api import API_VERSION, AdapterConversionSpec, LoraFinetuneSp
 from lora_operator.settings import OperatorSettings, SettingsError, load_settings
 from lora_operator.tpu import TPU_RESOURCE, CATALOG, SliceShape, TopologyError, slice_shape
 from lora_trainer import exit_codes
-from lora_trainer.config import OUTPUT_URI_PATTERN, URI_PATTERN, dump_train_config
+from lora_trainer.config import dump_train_config, validation_problems
 
 Manifest = dict[str, Any]
 M = TypeVar("M", bound=BaseModel)
@@ -93,20 +93,6 @@ def conversion_job_name(name: str) -> str:
     return f"{name}-convert"
 
 
-def _message(err: Any) -> str:
-    """Pydantic's message, with URI pattern mismatches said in words instead of a regex."""
-    if err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in (URI_PATTERN, OUTPUT_URI_PATTERN):
-        allowed = "a local path, gs://BUCKET/PATH or file:///PATH"
-        if err["ctx"]["pattern"] == URI_PATTERN:
-            allowed += " or hf://ORG/NAME"
-        return f"{err['input']!r} is not a supported location; use {allowed}"
-    return err["msg"]
-
-
-def _fields(e: ValidationError) -> str:
-    return "; ".join(f"spec.{'.'.join(str(x) for x in err['loc'])}: {_message(err)}" for err in e.errors())
-
-
 def parse_spec(model: type[M], body: dict[str, Any]) -> M:
     """Validate a CR's spec with the API model; errors name every bad field."""
     try:
@@ -114,7 +100,7 @@ def parse_spec(model: type[M], body: dict[str, Any]) -> M:
     except ValidationError as e:
         first = e.errors()[0]
         raise InvalidSpec(
-            f"spec.{'.'.join(str(x) for x in first['loc'])}", f"invalid spec ({_fields(e)}); fix the manifest and re-apply"
+            f"spec.{'.'.join(str(x) for x in first['loc'])}", f"invalid spec ({validation_problems(e, 'spec.')}); fix the manifest and re-apply"
         ) from e
 
 

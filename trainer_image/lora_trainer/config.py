@@ -201,9 +201,22 @@ class TrainConfig(ApiModel):
         return self
 
 
+def _problem(err: Any) -> str:
+    """Pydantic's message, with a URI pattern mismatch said in words instead of as a regex."""
+    pattern = err.get("ctx", {}).get("pattern")
+    if err["type"] == "string_pattern_mismatch" and pattern in (URI_PATTERN, OUTPUT_URI_PATTERN):
+        allowed = "a local path, gs://BUCKET/PATH or file:///PATH" + (" or hf://ORG/NAME" if pattern == URI_PATTERN else "")
+        return f"{err['input']!r} is not a supported location; use {allowed}"
+    return str(err["msg"])
+
+
 def validation_problems(e: ValidationError, prefix: str = "") -> str:
-    """Every error of a pydantic validation as `field.path: message`, joined by '; '."""
-    return "; ".join(f"{prefix}{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+    """Every error of a pydantic validation as `field.path: message`, joined by '; '.
+
+    Shared by the operator (CR specs, settings), local mode and the trainer's `--config`, so a
+    bad field reads the same wherever it is caught.
+    """
+    return "; ".join(f"{prefix}{'.'.join(str(x) for x in err['loc'])}: {_problem(err)}" for err in e.errors())
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
