@@ -312,7 +312,7 @@ base's config.json; the safetensors file is memory-mapped, not copied) and Orbax
 write; export includes Orbax's read, the same checks and the safetensors write. The PEFT
 "weights only" path does no validation and no layout mapping. The adapter-only checkpoint
 stores the {r['tensors']} tensors layer-stacked as {r['orbax_arrays']} uncompressed arrays (docs/dev/contracts.md);
-convert copies the tensors once, from the memory map into those stacked arrays; export works on views of the
+convert copies the tensors once, from the memory map into those stacked arrays, each in the order its bytes already have (a plain copy, no transposing; recorded as `loraLayout.axes`); export works on views of the
 stacked arrays Orbax reads back and writes safetensors itself (one reused scratch buffer, no per-tensor `tobytes`).
 In the fastest rounds (the least disturbed by other load), Orbax's own write of the same tree,
 timed alone (stacking included), is {share(r, 'orbax_write', 'convert')} of convert's time, and its read {share(r, 'orbax_read', 'export')} of
