@@ -82,3 +82,15 @@ def test_compiled_forward_and_backward_feed_bfloat16_to_every_dot() -> None:
     types = dot_operand_types(hlo)
     assert len(types) == 2, hlo  # the forward product and the input gradient (w is a constant)
     assert all(t == ("bf16", "bf16") for t in types), types
+
+
+def test_a_float32_result_can_be_asked_for_unrounded() -> None:
+    """The LoRA provider adds its float32 delta before rounding: the product must come back unrounded."""
+    x = jax.random.normal(jax.random.key(0), (6, 8)).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (8, 5)).astype(jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    out = accumulating_dot.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, jnp.float32(x) @ jnp.float32(w), rtol=1e-6, atol=1e-6)
+    hlo = jax.jit(jax.grad(lambda x: jnp.sum(accumulating_dot.dot_general(x, w, dims, preferred_element_type=jnp.float32) ** 2))).lower(x)
+    assert all(t == ("bf16", "bf16") for t in dot_operand_types(hlo.compile().as_text()))

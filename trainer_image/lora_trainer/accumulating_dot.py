@@ -114,16 +114,18 @@ def dot_general(
     preferred_element_type: Any = None,
     out_sharding: Any = None,
 ) -> jax.Array:
-    """Drop-in `jax.lax.dot_general`: 16-bit operands accumulate in float32, the result keeps their dtype.
+    """Drop-in `jax.lax.dot_general`: 16-bit operands accumulate in float32.
 
-    Also `jnp.einsum`'s `_dot_general` hook (einsum passes the operands' dtype as
-    `preferred_element_type`). Anything else (float32, integers, a wider requested output, an
-    explicit precision or sharding) is passed to `jax.lax.dot_general` unchanged.
+    The result has the operands' dtype, or float32 when that is the `preferred_element_type`
+    (unrounded, for a caller that adds to it first). Also `jnp.einsum`'s `_dot_general` hook
+    (einsum passes its output dtype as `preferred_element_type`). Anything else (float32 or
+    integer operands, another output dtype, an explicit precision or sharding) is passed to
+    `jax.lax.dot_general` unchanged.
     """
-    plain = precision is not None or out_sharding is not None
-    wider = preferred_element_type is not None and jnp.dtype(preferred_element_type) != lhs.dtype
-    if plain or wider or not is_low_precision(lhs, rhs):
+    out = lhs.dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    plain = precision is not None or out_sharding is not None or out not in (lhs.dtype, jnp.float32)
+    if plain or not is_low_precision(lhs, rhs):
         return jax.lax.dot_general(
             lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding
         )
-    return accumulating_dot_general(lhs, rhs, _canonical(dimension_numbers)).astype(lhs.dtype)
+    return accumulating_dot_general(lhs, rhs, _canonical(dimension_numbers)).astype(out)

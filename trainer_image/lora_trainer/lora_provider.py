@@ -161,6 +161,18 @@ def _lora_params(
     )
 
 
+def _sums_before_rounding(rule: Any, lhs: Any, rhs: Any, preferred_element_type: Any) -> bool:
+    """True when this product gets a LoRA delta added in a 16-bit model: then it stays float32
+    until the delta is added, and the sum is rounded once (PEFT rounds the base product first)."""
+    return (
+        isinstance(rule, qwix.LoraRule)
+        and rule.weight_qtype is None
+        and preferred_element_type is None
+        and accumulating_dot.is_low_precision(lhs, rhs)
+        and flax_util.find_param(rhs, ptq.WithAux) is not None
+    )
+
+
 class LoraProvider(qwix.LoraProvider):
     """`qwix.LoraProvider` whose low-rank path goes through `lora_delta`.
 
@@ -169,7 +181,8 @@ class LoraProvider(qwix.LoraProvider):
     `accumulating_dot.dot_general`, so XLA's CPU backend runs it natively in bfloat16 instead
     of upcasting both operands; and the adapted projection's output keeps the base's dtype
     (as PEFT casts it back), where Qwix's `bf16 + float32 delta` silently turned every later
-    activation of the model into float32.
+    activation of the model into float32. The adapted product and its delta are summed in
+    float32 and rounded once.
     """
 
     def dot_general(
@@ -183,13 +196,17 @@ class LoraProvider(qwix.LoraProvider):
     ) -> jax.Array:
         """The frozen (possibly quantized) product plus the LoRA delta (Qwix's shapes and params)."""
         rule, _ = self._get_current_rule_and_op_id("dot_general", only_rule=True)
+        wide = _sums_before_rounding(rule, lhs, rhs, preferred_element_type)
         if rule is None or rule.weight_qtype is None:  # what Qwix does unquantized, with a 16-bit fast path
             self._get_current_rule_and_op_id("dot_general")  # Qwix's per-module op count, as its own call keeps it
-            res = accumulating_dot.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+            res = accumulating_dot.dot_general(
+                lhs, rhs, dimension_numbers, precision, jnp.float32 if wide else preferred_element_type, out_sharding
+            )
         else:
             res = ptq.PtqProvider.dot_general(
                 self, lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding
             )
+        out_dtype = lhs.dtype if wide else res.dtype
         rule, _ = self._get_current_rule_and_op_id("dot_general", repeated_call=True)
         if not isinstance(rule, qwix.LoraRule):
             return res
@@ -209,14 +226,20 @@ class LoraProvider(qwix.LoraProvider):
         spec = dot_general_spec(lhs.ndim, lhs_ca, lhs_ba, len(remain_shape))
         a = jnp.reshape(lora_a, (*batch_shape, *contract_shape, rule.rank))
         b = jnp.reshape(lora_b, (*batch_shape, rule.rank, *remain_shape))
-        return (res + lora_delta(spec, lhs, a, b, rule.alpha / rule.rank)).astype(res.dtype)
+        return (res + lora_delta(spec, lhs, a, b, rule.alpha / rule.rank)).astype(out_dtype)
 
     def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> jax.Array:
         """The frozen (possibly quantized) einsum plus the LoRA delta (Qwix's shapes and params)."""
+        caller = dict(kwargs)
+        rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)
+        wide = len(operands) == 2 and _sums_before_rounding(rule, *operands, kwargs.get("preferred_element_type"))
+        if wide:
+            kwargs["preferred_element_type"] = jnp.float32
         if "_dot_general" not in kwargs and accumulating_dot.is_low_precision(*operands):
             kwargs["_dot_general"] = accumulating_dot.dot_general  # Qwix passes it on when it does not quantize
         res = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
-        kwargs.pop("_dot_general", None)
+        kwargs = caller
+        out_dtype = operands[0].dtype if wide else res.dtype
         rule, _ = self._get_current_rule_and_op_id("einsum", repeated_call=True)
         if not isinstance(rule, qwix.LoraRule):
             return res
@@ -237,4 +260,4 @@ class LoraProvider(qwix.LoraProvider):
             delta = jnp.einsum(lora_spec, lhs, lora_a, lora_b, **kwargs) * scale
         else:
             delta = lora_delta(lora_spec, lhs, lora_a, lora_b, scale)
-        return (res + delta).astype(res.dtype)
+        return (res + delta).astype(out_dtype)
