@@ -31,8 +31,9 @@ def _base_params(model: nnx.Module) -> dict:
 
 
 @pytest.mark.slow
-def test_only_lora_params_train_and_loss_falls(tmp_path):
-    loaded = load_model(str(tiny_llama()), dtype="float32")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the default, on XLA:CPU's native bf16 dots
+def test_only_lora_params_train_and_loss_falls(tmp_path, dtype):
+    loaded = load_model(str(tiny_llama()), dtype=dtype)
     applied = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0)
     base_before = _base_params(applied.model)
     lora_before = jax.tree.map(np.array, lora_state(applied.model))
