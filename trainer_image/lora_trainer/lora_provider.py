@@ -9,10 +9,12 @@ as much as a full fine-tune. `lora_delta` states the backward explicitly, with t
 rank-r operand first in every dot, so only rank-sized tensors are ever transposed; the
 alpha/r scale is applied to the rank-r intermediate rather than to the output.
 
-The math is exactly Qwix's (same params, shapes, initialisers, dropout, quantized base
-path); `tests/trainer/test_lora_provider.py` checks loss and gradients against
-`qwix.LoraProvider` on every family's projections. The two methods below follow Qwix 0.1.8's
-`LoraProvider.einsum` / `dot_general` line for line except where the delta is computed.
+For a float32 base the math is exactly Qwix's (same params, shapes, initialisers, dropout,
+quantized base path); `tests/trainer/test_lora_provider.py` checks loss and gradients against
+`qwix.LoraProvider` on every family's projections. A bfloat16 base differs on purpose: it stays
+bfloat16 and runs on XLA:CPU's native bf16 dots (`LoraProvider`; tested against the float32
+model and on the compiled HLO). The two methods below follow Qwix 0.1.8's
+`LoraProvider.einsum` / `dot_general` except where the frozen product and the delta are computed.
 """
 
 from __future__ import annotations
