@@ -6,7 +6,7 @@ import socket
 
 import numpy as np
 import pytest
-from trainer_fixtures import start_trainer, train_config, write_config
+from trainer_fixtures import progress_lines, start_trainer, train_config, write_config
 
 from lora_trainer import checkpoint, exit_codes
 from lora_trainer.config import MeshSpec
@@ -92,3 +92,21 @@ def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tm
     moved = max(float(np.max(np.abs(a[m][n]))) for m in a for n in a[m] if n.endswith("_b"))
     assert moved > 1e-3  # B starts at zero: training moved it
     assert diff <= 1e-6, diff
+
+
+@pytest.mark.slow
+def test_a_bfloat16_base_trains_sharded_by_fsdp_and_by_tp(tmp_path):
+    """bf16 (the default dtype) runs its matmuls through `accumulating_dot`'s custom backward; on a
+    two-device mesh, split by fsdp or by tensor parallelism, it trains to the same loss."""
+    procs = {}
+    for name, mesh in (("fsdp", {"fsdp": 2}), ("tp", {"tp": 2})):
+        cfg = train_config(tmp_path / name, str(tmp_path / name / "out"), steps=5, checkpointEvery=5, mesh=mesh)
+        cfg["model"]["dtype"] = "bfloat16"
+        path = write_config(tmp_path / f"{name}.json", cfg)
+        procs[name] = start_trainer(path, tmp_path / f"{name}.log", JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu")
+    codes = {name: p.wait(timeout=400) for name, p in procs.items()}
+    logs = {name: (tmp_path / f"{name}.log").read_text()[-3000:] for name in procs}
+    assert codes == {"fsdp": exit_codes.OK, "tp": exit_codes.OK}, logs
+    losses = {name: progress_lines(tmp_path / f"{name}.log")[-1]["loss"] for name in procs}
+    assert all(np.isfinite(v) for v in losses.values())
+    assert losses["tp"] == pytest.approx(losses["fsdp"], rel=1e-2), losses
