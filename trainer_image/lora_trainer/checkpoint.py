@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from lora_trainer import storage
-from lora_trainer.errors import RetriableError, UserError, device_oom_message
+from lora_trainer.errors import RetriableError, UserError, is_device_oom
 
 LORA = "lora"
 OPTIMIZER = "optimizer"
@@ -69,7 +69,7 @@ def _storage_faults(uri: str) -> Iterator[None]:
     except (ConnectionError, TimeoutError) as e:
         raise RetriableError(f"storage fault while accessing checkpoints at {uri}: {e}") from e
     except Exception as e:
-        if device_oom_message(e, "checkpoint") is not None:
+        if is_device_oom(e):
             raise  # XLA's RESOURCE_EXHAUSTED for device memory: a user error (see cli), not GCS throttling
         transient = storage.is_gcs(uri) and any(m in str(e) for m in _TRANSIENT)
         if transient or type(e).__module__.startswith(("google.api_core", "google.auth", "aiohttp")):

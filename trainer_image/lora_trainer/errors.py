@@ -40,20 +40,29 @@ _TRAIN_OOM_FIXES = (
 )
 
 
-def device_oom_message(exc: BaseException, command: str) -> str | None:
-    """The fix-it paragraph when `exc` is XLA running out of accelerator memory, else None.
+def is_device_oom(exc: BaseException) -> bool:
+    """True when `exc` is XLA running out of accelerator memory.
 
-    Why a user error: the same config allocates the same buffers again, so a JobSet restart
-    would only burn `maxRestarts`. Matched by class name so that classifying needs no JAX
-    import (commands import it lazily) and older jaxlib's `XlaRuntimeError` matches too;
-    RESOURCE_EXHAUSTED must also mention memory or an allocation, so that other exhausted
-    resources (e.g. a gRPC limit between hosts) keep their traceback.
+    Matched by class name so that classifying needs no JAX import (commands import it lazily)
+    and older jaxlib's `XlaRuntimeError` matches too; RESOURCE_EXHAUSTED must also mention
+    memory or an allocation, so that other exhausted resources (e.g. a gRPC limit between
+    hosts) keep their traceback.
     """
     if not any(c.__name__ in _XLA_ERROR_CLASSES for c in type(exc).__mro__):
+        return False
+    text = str(exc).strip()
+    return text.startswith(_XLA_OOM) and re.search(r"memory|allocat", text, re.IGNORECASE) is not None
+
+
+def device_oom_message(exc: BaseException, command: str) -> str | None:
+    """The fix-it paragraph when `exc` is XLA running out of accelerator memory (`is_device_oom`), else None.
+
+    Why a user error: the same config allocates the same buffers again, so a JobSet restart
+    would only burn `maxRestarts`.
+    """
+    if not is_device_oom(exc):
         return None
     text = str(exc).strip()
-    if not text.startswith(_XLA_OOM) or not re.search(r"memory|allocat", text, re.IGNORECASE):
-        return None
     found = _ALLOCATION.search(text)
     size = ""
     if found:

@@ -164,15 +164,14 @@ def _lora_params(
 
 
 def _sums_before_rounding(rule: Any, lhs: Any, rhs: Any, preferred_element_type: Any) -> bool:
-    """True when this product gets a LoRA delta added in a 16-bit model: then it stays float32
-    until the delta is added, and the sum is rounded once (PEFT rounds the base product first)."""
-    return (
-        isinstance(rule, qwix.LoraRule)
-        and rule.weight_qtype is None
-        and preferred_element_type is None
-        and accumulating_dot.is_low_precision(lhs, rhs)
-        and flax_util.find_param(rhs, ptq.WithAux) is not None
-    )
+    """True when a LoRA delta is added to this unquantized product of a 16-bit model: then the product
+    stays float32 until the delta is added, and the sum is rounded once (PEFT rounds the product first)."""
+    return rule.weight_qtype is None and preferred_element_type is None and accumulating_dot.is_low_precision(lhs, rhs)
+
+
+def _weight_name(rule: Any, rhs: Any) -> str | None:
+    """The name of the weight a LoRA rule adapts in this product; None when there is no rule or rhs is no weight."""
+    return flax_util.find_param(rhs, ptq.WithAux) if isinstance(rule, qwix.LoraRule) else None
 
 
 class LoraProvider(qwix.LoraProvider):
@@ -198,7 +197,8 @@ class LoraProvider(qwix.LoraProvider):
     ) -> jax.Array:
         """The frozen (possibly quantized) product plus the LoRA delta (Qwix's shapes and params)."""
         rule, _ = self._get_current_rule_and_op_id("dot_general", only_rule=True)
-        wide = _sums_before_rounding(rule, lhs, rhs, preferred_element_type)
+        weight_name = _weight_name(rule, rhs)
+        wide = weight_name is not None and _sums_before_rounding(rule, lhs, rhs, preferred_element_type)
         if rule is None or rule.weight_qtype is None:  # what Qwix does unquantized, with a 16-bit fast path
             self._get_current_rule_and_op_id("dot_general")  # Qwix's per-module op count, as its own call keeps it
             res = accumulating_dot.dot_general(
@@ -208,13 +208,9 @@ class LoraProvider(qwix.LoraProvider):
             res = ptq.PtqProvider.dot_general(
                 self, lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding
             )
+        if weight_name is None:  # no LoRA rule here, or rhs is not a weight
+            return res
         out_dtype = lhs.dtype if wide else res.dtype
-        rule, _ = self._get_current_rule_and_op_id("dot_general", repeated_call=True)
-        if not isinstance(rule, qwix.LoraRule):
-            return res
-        weight_name = flax_util.find_param(rhs, ptq.WithAux)
-        if weight_name is None:  # rhs is not a weight
-            return res
         (lhs_ca, rhs_ca), (lhs_ba, rhs_ba) = dimension_numbers
         rhs_ra = tuple(i for i in range(rhs.ndim) if i not in rhs_ca and i not in rhs_ba)
         contract_shape = tuple(rhs.shape[i] for i in rhs_ca)
@@ -232,25 +228,21 @@ class LoraProvider(qwix.LoraProvider):
 
     def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> jax.Array:
         """The frozen (possibly quantized) einsum plus the LoRA delta (Qwix's shapes and params)."""
-        caller = dict(kwargs)
         rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)
-        wide = len(operands) == 2 and _sums_before_rounding(rule, *operands, kwargs.get("preferred_element_type"))
-        if wide:
-            kwargs["preferred_element_type"] = jnp.float32
-        if "_dot_general" not in kwargs and accumulating_dot.is_low_precision(*operands):
-            kwargs["_dot_general"] = accumulating_dot.dot_general  # Qwix passes it on when it does not quantize
-        res = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
-        kwargs = caller
-        out_dtype = operands[0].dtype if wide else res.dtype
-        rule, _ = self._get_current_rule_and_op_id("einsum", repeated_call=True)
-        if not isinstance(rule, qwix.LoraRule):
-            return res
-        if len(operands) != 2:
+        if isinstance(rule, qwix.LoraRule) and len(operands) != 2:
             raise ValueError(f"Unsupported einsum format for LoRA: {einsum_str=}")
-        lhs, rhs = operands
-        weight_name = flax_util.find_param(rhs, ptq.WithAux)
-        if weight_name is None:  # rhs is not a weight
+        weight_name = _weight_name(rule, operands[-1])
+        wide = weight_name is not None and _sums_before_rounding(rule, *operands, kwargs.get("preferred_element_type"))
+        frozen = dict(kwargs)
+        if wide:
+            frozen["preferred_element_type"] = jnp.float32
+        if "_dot_general" not in frozen and accumulating_dot.is_low_precision(*operands):
+            frozen["_dot_general"] = accumulating_dot.dot_general  # Qwix passes it on when it does not quantize
+        res = ptq.PtqProvider.einsum(self, einsum_str, *operands, **frozen)
+        if weight_name is None:  # no LoRA rule here, or rhs is not a weight
             return res
+        out_dtype = operands[0].dtype if wide else res.dtype
+        lhs, rhs = operands
         a_shape, b_shape, lora_spec, a_transpose, b_transpose = qwix_lora._parse_einsum_str_for_lora(
             lhs.shape, rhs.shape, einsum_str, rule.rank
         )
