@@ -33,6 +33,7 @@ BUCKET = "lora-test"
 
 
 def free_port() -> int:
+    """A TCP port free on loopback now (for emulators, coordinators and probes the tests start)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
+from gcs_emulator import free_port
 from k8s_harness import Harness, real_cluster
 
 from lora_operator.cli import main as cli_main
@@ -25,11 +25,6 @@ def test_run_refuses_bad_settings(tmp_path, capsys):
     assert "allowedImages" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
@@ -42,7 +37,7 @@ async def test_operator_process_serves_liveness_and_creates_jobsets(tmp_path):
             "users": [{"name": "emu", "user": {}}],
             "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": "default"}}],
         }))
-        port = _free_port()
+        port = free_port()
         log = tmp_path / "operator.log"
         proc = subprocess.Popen(
             [sys.executable, "-m", "lora_operator.cli", "run", "--liveness", f"http://127.0.0.1:{port}/healthz"],
@@ -105,7 +100,7 @@ def test_suspended_run_on_a_real_cluster(tmp_path):
     ns = f"lora-e2e-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
     log = tmp_path / "operator.log"
-    proc = subprocess.Popen([sys.executable, "-m", "lora_operator.cli", "run", "-n", ns, "--liveness", f"http://127.0.0.1:{_free_port()}/healthz"],
+    proc = subprocess.Popen([sys.executable, "-m", "lora_operator.cli", "run", "-n", ns, "--liveness", f"http://127.0.0.1:{free_port()}/healthz"],
                             stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=ROOT)
     try:
         bad = {"apiVersion": "lora-operator.dev/v1alpha1", "kind": "LoraFinetune", "metadata": {"name": "bad", "namespace": ns},

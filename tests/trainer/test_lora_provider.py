@@ -49,11 +49,16 @@ def _both(base: LoadedModel, spec: LoraSpec, monkeypatch: pytest.MonkeyPatch) ->
     with monkeypatch.context() as m:
         m.setattr(lora_mod, "LoraProvider", qwix.LoraProvider)
         theirs = apply_lora(base.model, spec, base.family, seed=0).model
-    rng = np.random.default_rng(7)
-    params = {p: {n: (0.1 * rng.standard_normal(np.shape(v))).astype(np.float32) for n, v in d.items()} for p, d in lora_state(ours).items()}
+    params = _random_lora(ours)
     set_lora_state(ours, params)
     set_lora_state(theirs, params)
     return [_loss_and_grads(ours), _loss_and_grads(theirs)]
+
+
+def _random_lora(model: nnx.Module) -> dict[str, dict[str, np.ndarray]]:
+    """Non-zero LoRA params (seeded) shaped like `model`'s, so that B = 0 hides no layout bug."""
+    rng = np.random.default_rng(7)
+    return {p: {n: (0.1 * rng.standard_normal(np.shape(v))).astype(np.float32) for n, v in d.items()} for p, d in lora_state(model).items()}
 
 
 def _assert_same(a: tuple[float, dict[str, np.ndarray]], b: tuple[float, dict[str, np.ndarray]]) -> None:
@@ -118,8 +123,7 @@ def _lora_models(family: str, tmp: Any, dtype: str) -> tuple[nnx.Module, nnx.Mod
     path = make_tiny_hf_model(family, tmp, seed=5)
     bases = [load_model(str(path), dtype=d) for d in (dtype, "float32")]
     low, wide = (apply_lora(b.model, LoraSpec(rank=RANK_BF16, alpha=6.0), b.family, seed=0).model for b in bases)
-    rng = np.random.default_rng(7)
-    params = {p: {n: (0.1 * rng.standard_normal(np.shape(v))).astype(np.float32) for n, v in d.items()} for p, d in lora_state(wide).items()}
+    params = _random_lora(wide)
     set_lora_state(low, params)
     set_lora_state(wide, params)
     return low, wide

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
+from gcs_emulator import free_port
 from trainer_fixtures import progress_lines, start_trainer, train_config, write_config
 
 from lora_trainer import checkpoint, exit_codes
@@ -52,11 +51,6 @@ def test_mesh_shape():
         mesh_shape(MeshSpec(fsdp=3, tp=2), 8)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @pytest.mark.slow
 def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tmp_path):
@@ -66,7 +60,7 @@ def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tm
     cpu = {"JAX_PLATFORMS": "cpu"}
 
     single = start_trainer(one, tmp_path / "one.log", JAX_NUM_CPU_DEVICES="2", **cpu)
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     common = {"JAX_COORDINATOR_ADDRESS": coordinator, "JAX_PROCESS_COUNT": "2", "JAX_NUM_CPU_DEVICES": "1", **cpu}
     procs = [
         start_trainer(two, tmp_path / "p0.log", JAX_PROCESS_ID="0", **common),
