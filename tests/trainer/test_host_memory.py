@@ -11,13 +11,14 @@ import pytest
 
 from lora_trainer import host_memory
 
-#: A jitted step with 32 MiB temporaries, like a training step's activations (freed when it ends).
+#: A jitted step with 64 MiB temporaries, like a training step's activations (freed when it ends).
+#: Above glibc's largest dynamic mmap threshold (32 MiB), so by default each one is mmap'd afresh.
 PROBE = """
 import json, resource
 from lora_trainer import host_memory
 applied = host_memory.retain_freed_memory()
 import jax, jax.numpy as jnp
-x, w1, w2 = jnp.ones((2048, 512)), jnp.ones((512, 4096)), jnp.ones((4096, 512))
+x, w1, w2 = jnp.ones((2048, 512)), jnp.ones((512, 8192)), jnp.ones((8192, 512))
 f = jax.jit(lambda x, w1, w2: jnp.tanh(jnp.tanh(x @ w1) @ w2).sum())
 for _ in range(2):
     f(x, w1, w2).block_until_ready()
@@ -39,6 +40,6 @@ def test_freed_buffers_are_reused_instead_of_page_faulted_again() -> None:
     tuned = _probe()
     default = _probe(**{host_memory.OPT_OUT_ENV: "default"})
     assert tuned["applied"] and not default["applied"]
-    pages = 2048 * 4096 * 4 // 4096  # one temporary
+    pages = 2048 * 8192 * 4 // 4096  # one temporary
     assert default["faults_per_call"] > 0.1 * pages  # glibc hands freed buffers back to the kernel
     assert tuned["faults_per_call"] < 0.01 * pages
