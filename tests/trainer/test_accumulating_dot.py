@@ -8,12 +8,11 @@ feeds 16-bit operands to every dot.
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from trainer_fixtures import dot_operand_types
 
 from lora_trainer import accumulating_dot
 
@@ -24,13 +23,11 @@ CASES = [
     ((2, 3, 8), (8, 2, 4), (((2,), (0,)), ((), ()))),
     ((2, 3, 4, 8), (2, 3, 8, 5), (((3,), (2,)), ((0, 1), (0, 1)))),
     ((7, 6), (7, 5), (((0,), (0,)), ((), ()))),
+    # attention's grouped-query scores [b, t, k, g, d] x [b, s, k, d]: two batch dims, not leading
+    ((2, 5, 3, 4, 8), (2, 6, 3, 8), (((4,), (3,)), ((0, 2), (0, 2)))),
+    # and its probabilities [b, k, t, g, s] x values [b, s, k, d]
+    ((2, 3, 5, 4, 6), (2, 6, 3, 8), (((4,), (1,)), ((0, 1), (0, 2)))),
 ]
-
-
-def dot_operand_types(hlo: str) -> list[tuple[str, ...]]:
-    """The element types of every dot's operands in an optimized HLO module (names are module-unique)."""
-    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
-    return [tuple(types[a] for a in ops) for ops in re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)]
 
 
 @pytest.mark.parametrize(("ls", "rs", "dims"), CASES)
@@ -94,3 +91,17 @@ def test_a_float32_result_can_be_asked_for_unrounded() -> None:
     np.testing.assert_allclose(out, jnp.float32(x) @ jnp.float32(w), rtol=1e-6, atol=1e-6)
     hlo = jax.jit(jax.grad(lambda x: jnp.sum(accumulating_dot.dot_general(x, w, dims, preferred_element_type=jnp.float32) ** 2))).lower(x)
     assert all(t == ("bf16", "bf16") for t in dot_operand_types(hlo.compile().as_text()))
+
+
+@pytest.mark.parametrize(("ls", "rs", "dims"), [c for c in CASES if len(c[2][1][0]) > 1])
+def test_dots_with_several_batch_dims_also_run_on_bfloat16_operands(
+    ls: tuple[int, ...], rs: tuple[int, ...], dims: accumulating_dot.DotDims
+) -> None:
+    """XLA:CPU upcasts a 16-bit dot with two batch dims (attention's) to float32; `native_dot` merges them."""
+    x, w = jnp.ones(ls, jnp.bfloat16), jnp.ones(rs, jnp.bfloat16)
+
+    def loss(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.sum(accumulating_dot.dot_general(x, w, dims, preferred_element_type=jnp.float32) ** 2)
+
+    types = dot_operand_types(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text())
+    assert len(types) == 3 and all(t == ("bf16", "bf16") for t in types), types

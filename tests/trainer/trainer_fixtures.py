@@ -1,5 +1,6 @@
 """Shared by the trainer tests: one tiny Llama-3 checkpoint per test process, a learnable toy
-dataset, and train configs; plus a runner for the real `lora-trainer` CLI as a subprocess."""
+dataset, and train configs; a runner for the real `lora-trainer` CLI as a subprocess; and a
+reader of the dots in a compiled HLO module."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,12 @@ from lora_trainer.tiny_models import make_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
 LORA_TRAINER = str(Path(sys.executable).with_name("lora-trainer"))
+
+
+def dot_operand_types(hlo: str) -> list[tuple[str, ...]]:
+    """The element types of every dot's operands in an optimized HLO module (names are module-unique)."""
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    return [tuple(types[a] for a in ops) for ops in re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)]
 
 
 @functools.cache

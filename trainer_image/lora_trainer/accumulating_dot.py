@@ -18,6 +18,7 @@ LoRA provider's hand-written backward.
 from __future__ import annotations
 
 import functools
+import math
 import string
 from typing import Any
 
@@ -54,11 +55,40 @@ def contract(lhs_sub: str, rhs_sub: str, out_sub: str, lhs: jax.Array, rhs: jax.
     )
     got = "".join(batch) + "".join(c for c in lhs_sub if c not in rhs_sub) + "".join(c for c in rhs_sub if c not in lhs_sub)
     if is_low_precision(lhs, rhs):
-        out = jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+        out = native_dot(lhs, rhs, dims)
     else:
         dtype = jnp.result_type(lhs, rhs)
         out = jax.lax.dot_general(lhs.astype(dtype), rhs.astype(dtype), dims)
     return out if got == out_sub else jnp.transpose(out, [got.index(c) for c in out_sub])
+
+
+def native_dot(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> jax.Array:
+    """`dot_general(lhs, rhs, dims)` of two 16-bit operands as float32, in a form XLA:CPU runs natively.
+
+    XLA's CPU backend runs a 16-bit dot with one batch dimension natively, but upcasts both
+    operands to float32 when the dot has two or more (attention's `BTHGD,BSHD->BHGTS`: batch and
+    kv head), at half the speed. On CPU several batch dims are therefore merged into one (and the
+    free and contracted dims of each operand into one each), as the transposed copies XLA makes
+    for such a dot anyway; the result is reshaped back to dot_general's output order. Other
+    backends get the dot as written (their sharded batch dims stay separate).
+    """
+    (lc, rc), (lb, rb) = dims
+    if len(lb) < 2 or jax.default_backend() != "cpu":
+        return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+    lf = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
+    rf = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
+    batch = [lhs.shape[i] for i in lb]
+    lhs_free, rhs_free = [lhs.shape[i] for i in lf], [rhs.shape[i] for i in rf]
+    n, k = math.prod(batch), math.prod(lhs.shape[i] for i in lc)
+    lhs3 = jnp.transpose(lhs, (*lb, *lf, *lc)).reshape(n, math.prod(lhs_free), k)
+    if rc and rf and min(rf) < max(rc):  # rhs keeps its own order of free and contracted dims: both forms are native
+        rhs3 = jnp.transpose(rhs, (*rb, *rf, *rc)).reshape(n, math.prod(rhs_free), k)
+        merged = (((2,), (2,)), ((0,), (0,)))
+    else:
+        rhs3 = jnp.transpose(rhs, (*rb, *rc, *rf)).reshape(n, k, math.prod(rhs_free))
+        merged = (((2,), (1,)), ((0,), (0,)))
+    out = jax.lax.dot_general(lhs3, rhs3, merged, preferred_element_type=jnp.float32)
+    return out.reshape(*batch, *lhs_free, *rhs_free)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +110,7 @@ def subscripts(lhs_ndim: int, rhs_ndim: int, dims: DotDims) -> tuple[str, str, s
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def accumulating_dot_general(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> jax.Array:
     """`dot_general(lhs, rhs, dims)` of two 16-bit float operands, as float32 (round it once, after any add)."""
-    return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.float32)
+    return native_dot(lhs, rhs, dims)
 
 
 def _fwd(lhs: jax.Array, rhs: jax.Array, dims: DotDims) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
