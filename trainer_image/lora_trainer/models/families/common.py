@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
 from lora_trainer.errors import UserError
@@ -95,6 +96,18 @@ def llama_style_tables(extra: tuple[WeightRule, ...] = ()) -> tuple[tuple[Weight
         for hf_mod, nnx_mod, *_ in _PROJECTIONS
     )
     return weights, targets
+
+
+def use_attention(module: ModuleType, attention: type) -> None:
+    """Make the Tunix model `module` build `attention` (a subclass of its `Attention`) in every decoder layer.
+
+    Tunix's decoder layers look `Attention` up in their module when they are built, so this is
+    the one seam that swaps the attention's training path without copying the model classes
+    (the same kind of seam as `rope.install_seam`). The subclass keeps Tunix's parameters and
+    module paths and hands the KV-cache (sampling) path back to Tunix. Idempotent.
+    """
+    if not issubclass(module.Attention, attention):
+        module.Attention = attention
 
 
 def lazy_build(module: str) -> Callable[[Mapping[str, Any], Any, Any], Any]:

@@ -9,6 +9,7 @@ Three fixes over a plain Tunix Gemma3 built from presets:
   `attn/kv_einsum/k_proj` and `attn/kv_einsum/v_proj`.
 - Settings Tunix hard-codes (RMSNorm eps 1e-6, no logit soft-capping, tanh GELU, tied
   embeddings) are checked against config.json and refused when they differ.
+Its attention trains through `models.attention.gqa_attention` (see there for why).
 """
 
 from __future__ import annotations
@@ -23,10 +24,43 @@ from tunix.models.gemma3 import model as tunix_gemma3
 
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
-from lora_trainer.models.families.common import head_dim, require
+from lora_trainer.models.attention import gqa_attention
+from lora_trainer.models.families.common import head_dim, require, use_attention
 
 Norm = tunix_gemma3.QueryPreAttentionNormalisation
 LOCAL, GLOBAL = tunix_gemma3.AttentionType.LOCAL_SLIDING, tunix_gemma3.AttentionType.GLOBAL
+shard = tunix_gemma3.sharding_utils.shard
+
+
+class Attention(tunix_gemma3.Attention):
+    """Tunix's gemma3 attention; without a KV cache the core is `gqa_attention`.
+
+    As Tunix: q/k RMSNorm, per-layer rope, the query scaled before the scores, and a local
+    layer attending to keys less than `sliding_window_size` positions away.
+    """
+
+    def block(self, x: jax.Array, segment_pos: jax.Array, cache: Any, attn_mask: jax.Array) -> tuple[Any, jax.Array]:
+        if cache is not None or self.use_qkv_einsum:  # sampling, or a plain Tunix MHA model's fused Q/K/V
+            return super().block(x, segment_pos, cache, attn_mask)
+        btnh = self.shd_config.act_btnh
+        k, v = self.kv_einsum(x)
+        q = self._query_norm(shard(self.q_einsum(x), btnh))
+        k, v = self._key_norm(shard(k, btnh)), shard(v, btnh)
+        q, k = (
+            tunix_gemma3.apply_rope(
+                y, segment_pos, head_dim=self.head_dim, base_frequency=self.rope_base_frequency, scale_factor=self.rope_scale_factor
+            )
+            for y in (q, k)
+        )
+        if self.attn_type == LOCAL:
+            ones = jnp.ones(attn_mask.shape[-2:], jnp.bool_)
+            window = jnp.triu(ones, 1 - self.sliding_window_size) & jnp.tril(ones, self.sliding_window_size - 1)
+            attn_mask = attn_mask & window
+        out = gqa_attention(q * self.query_pre_attn_scalar, k, v, attn_mask, 1.0)
+        return None, shard(self.attn_vec_einsum(out), self.shd_config.act_btd)
+
+
+use_attention(tunix_gemma3, Attention)
 
 
 class SplitKV(nnx.Module):

@@ -2,6 +2,7 @@
 
 Tunix's qwen2 takes `rope_theta` from its config (no seam needed) but has no rope
 scaling and no sliding window: configs that use either are refused rather than run wrong.
+Its attention trains through `models.attention.gqa_attention` (see there for why).
 """
 
 from __future__ import annotations
@@ -9,13 +10,50 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from tunix.models.qwen2 import model as tunix_qwen2
 
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
-from lora_trainer.models.families.common import decoder_dims, require
+from lora_trainer.models.attention import gqa_attention
+from lora_trainer.models.families.common import decoder_dims, require, use_attention
+
+
+class Attention(tunix_qwen2.Attention):
+    """Tunix's qwen2 attention; without a KV cache or splash kernel the core is `gqa_attention`."""
+
+    def block(
+        self,
+        x: jax.Array,
+        cache: Any,
+        attn_mask: jax.Array | None,
+        sin: jax.Array,
+        cos: jax.Array,
+        segment_ids: jax.Array | None = None,
+    ) -> tuple[Any, jax.Array]:
+        if cache is not None or self.config.use_flash_attention:
+            return super().block(x, cache, attn_mask, sin, cos, segment_ids)
+        btnh = self.shd_config.act_btnh
+        q = tunix_qwen2.shard(self._biased(self.q_proj(x), self.q_bias), btnh)
+        k = tunix_qwen2.shard(self._biased(self.k_proj(x), self.k_bias), btnh)
+        v = tunix_qwen2.shard(self._biased(self.v_proj(x), self.v_bias), btnh)
+        q = tunix_qwen2.apply_rotary_embedding(q, sin, cos)
+        k = tunix_qwen2.apply_rotary_embedding(k, sin, cos)
+        if segment_ids is not None:  # as Tunix: attend within one's own segment only
+            same = segment_ids[:, :, None] == segment_ids[:, None, :]
+            attn_mask = same if attn_mask is None else attn_mask & same
+        out = self.o_proj(gqa_attention(q, k, v, attn_mask, self.scale))
+        return None, tunix_qwen2.shard(out, self.shd_config.act_btd)
+
+    def _biased(self, proj: jax.Array, bias: nnx.Param) -> jax.Array:
+        """[b, t, heads, head_dim] projection plus its flat [heads * head_dim] bias, as Tunix adds it."""
+        b, t, n, h = proj.shape
+        return (proj.reshape(b, t, n * h) + bias.astype(self.config.dtype)).reshape(b, t, n, h)
+
+
+use_attention(tunix_qwen2, Attention)
 
 
 def tunix_config(hf_config: Mapping[str, Any], dtype: jnp.dtype = jnp.float32) -> tunix_qwen2.ModelConfig:
