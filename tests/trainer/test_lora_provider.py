@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import qwix
 from flax import nnx
+from trainer_fixtures import dot_operand_types
 
 from lora_trainer import lora as lora_mod
 from lora_trainer.config import LoraSpec, QuantizationSpec
@@ -82,15 +83,16 @@ def test_qlora_grads_equal_qwix(loaded: dict[str, LoadedModel], monkeypatch: pyt
     _assert_same(ours, theirs)
 
 
-@pytest.mark.parametrize(
-    ("spec", "shapes"),
-    [
-        ("BTD,Dr,rNH->BTNH", [(2, 3, 8), (8, 4), (4, 2, 5)]),  # q_proj-like
-        ("BTNH,NHr,rD->BTD", [(2, 3, 2, 5), (2, 5, 4), (4, 8)]),  # o_proj-like
-        (dot_general_spec(3, (2,), (), 1), [(2, 3, 8), (8, 4), (4, 6)]),  # nnx.Linear
-        (dot_general_spec(3, (2,), (0,), 1), [(2, 3, 8), (2, 8, 4), (2, 4, 6)]),  # a batch dim
-    ],
-)
+BATCHED_SPEC = dot_general_spec(3, (2,), (0,), 1)
+DELTA_SPECS = [
+    ("BTD,Dr,rNH->BTNH", [(2, 3, 8), (8, 4), (4, 2, 5)]),  # q_proj-like
+    ("BTNH,NHr,rD->BTD", [(2, 3, 2, 5), (2, 5, 4), (4, 8)]),  # o_proj-like
+    (dot_general_spec(3, (2,), (), 1), [(2, 3, 8), (8, 4), (4, 6)]),  # nnx.Linear
+    (BATCHED_SPEC, [(2, 3, 8), (2, 8, 4), (2, 4, 6)]),  # a batch dim
+]
+
+
+@pytest.mark.parametrize(("spec", "shapes"), DELTA_SPECS)
 def test_lora_delta_matches_autodiff_of_plain_einsum(spec: str, shapes: list[tuple[int, ...]]) -> None:
     keys = jax.random.split(jax.random.key(0), 4)
     x, a, b = (jax.random.normal(k, s) for k, s in zip(keys, shapes))
@@ -107,6 +109,28 @@ def test_lora_delta_matches_autodiff_of_plain_einsum(spec: str, shapes: list[tup
     np.testing.assert_allclose(out2, out1, rtol=1e-5, atol=1e-6)
     for got, want in zip(vjp2(g), vjp1(g)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("spec", "shapes"), DELTA_SPECS)
+def test_bfloat16_lora_delta_backward_runs_on_bfloat16_dots(spec: str, shapes: list[tuple[int, ...]]) -> None:
+    """With 16-bit activations every product, weight gradients included, is a 16-bit dot (as autocast forms
+    them), within rounding of float32. dA left to XLA's own operand order would be a bf16 dot that XLA:CPU
+    cannot run at all ("Unsupported element type for DotThunk"): the step would fail."""
+    keys = jax.random.split(jax.random.key(1), 4)
+    shapes = [tuple(2 * n for n in s) for s in shapes]  # even sizes: XLA:CPU upcasts a bf16 dot contracting an odd one
+    x, a, b = (jax.random.normal(k, s) for k, s in zip(keys, shapes))
+    g = jax.random.normal(keys[3], jnp.einsum(spec, x, a, b).shape)
+
+    def loss(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.sum(lora_delta(spec, x, a, b, 0.5) * g)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    low = grads(x.astype(jnp.bfloat16), a, b)
+    types = dot_operand_types(grads.lower(x.astype(jnp.bfloat16), a, b).compile().as_text())
+    # A batch dim (no family's projection has one) leaves the weight gradients to XLA:CPU's float32 path.
+    assert types.count(("bf16", "bf16")) == (3 if spec == BATCHED_SPEC else 5), types
+    for got, want in zip(low, jax.grad(loss, argnums=(0, 1, 2))(x, a, b), strict=True):
+        np.testing.assert_allclose(np.float32(got), want, atol=3e-2 * float(np.abs(want).max()))
 
 
 def test_unusual_specs_fall_back() -> None:
@@ -148,9 +172,9 @@ def test_bfloat16_base_computes_in_bfloat16_and_matches_float32(family: str, tmp
     float32 model's within bfloat16 rounding."""
     low, wide = _lora_models(family, tmp_path, "bfloat16")
     r = str(RANK_BF16)
-    # Allowed in float32: the LoRA weight gradients (rank-sized outputs) and products contracting
-    # over the rank (rank-sized operands; XLA upcasts a bf16 dot with an odd contraction).
-    wide_dots = [d for d in _float32_dots(low) if r not in d[0] and not (r in d[1] and r in d[2])]
+    # Allowed in float32: products contracting over the rank (rank-sized operands; XLA upcasts a
+    # bf16 dot with an odd contraction). The LoRA weight gradients are bf16 products too.
+    wide_dots = [d for d in _float32_dots(low) if not (r in d[1] and r in d[2])]
     assert not wide_dots, f"float32 dots on activation-sized operands: {wide_dots}"
     (loss_lo, grads_lo), (loss_hi, grads_hi) = _loss_and_grads(low), _loss_and_grads(wide)
     assert loss_lo == pytest.approx(loss_hi, rel=1e-2)

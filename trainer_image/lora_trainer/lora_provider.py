@@ -74,7 +74,8 @@ def lora_delta(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, scale: float
     Mixed precision as `torch.autocast` does it: the LoRA params stay float32 (the optimizer's
     master copy) and are rounded to a 16-bit activation's dtype where they meet activation-sized
     operands; every product accumulates in float32 and the delta is float32. The weight
-    gradients are formed from float32 operands. With float32 activations nothing is rounded.
+    gradients are formed from the same 16-bit operands, accumulated in float32 and kept
+    float32 (autocast rounds them to 16 bits as well). With float32 activations nothing is rounded.
     """
     return _forward(spec, x, a, b, scale)[0]
 
@@ -102,10 +103,17 @@ def _lora_delta_bwd(spec: str, scale: float, res: tuple, g: jax.Array) -> tuple[
     x, a, b, h = res
     s = _subscripts(spec)
     lo = _compute_dtype(x)
-    gh = contract(s.out, s.b, s.h, g.astype(lo), b.astype(lo)) * scale
-    db = contract(s.h, s.out, s.b, h, g)
-    da = contract(s.h, s.x, s.a, gh, x)
-    dx = contract(s.h, s.a, s.x, gh.astype(lo), a.astype(lo))
+    g = g.astype(lo)
+    gh = (contract(s.out, s.b, s.h, g, b.astype(lo)) * scale).astype(lo)
+    dx = contract(s.h, s.a, s.x, gh, a.astype(lo))
+    db = contract(s.h, s.out, s.b, h.astype(lo), g)
+    # dA is formed rank axis first and fenced before it is transposed to A's layout: unfenced, XLA
+    # folds the transpose into the dot by swapping its operands (x first), a form XLA:CPU's 16-bit
+    # kernels lack (the step fails to run).
+    rank = s.h[-1]
+    da_sub = rank + s.a.replace(rank, "")
+    da = contract(s.h, s.x, da_sub, gh, x)
+    da = jnp.transpose(jax.lax.optimization_barrier(da), [da_sub.index(c) for c in s.a])
     return dx.astype(x.dtype), da.astype(a.dtype), db.astype(b.dtype)
 
 
