@@ -14,7 +14,8 @@ from lora_trainer import host_memory
 #: A jitted step with 64 MiB temporaries, like a training step's activations (freed when it ends).
 #: Above glibc's largest dynamic mmap threshold (32 MiB), so by default each one is mmap'd afresh.
 PROBE = """
-import json, resource
+import ctypes, json, resource
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: one fault per 4 KiB page, not per huge page
 from lora_trainer import host_memory
 applied = host_memory.retain_freed_memory()
 import jax, jax.numpy as jnp
@@ -41,5 +42,7 @@ def test_freed_buffers_are_reused_instead_of_page_faulted_again() -> None:
     default = _probe(**{host_memory.OPT_OUT_ENV: "default"})
     assert tuned["applied"] and not default["applied"]
     pages = 2048 * 8192 * 4 // 4096  # one temporary
-    assert default["faults_per_call"] > 0.1 * pages  # glibc hands freed buffers back to the kernel
+    # glibc hands freed buffers back to the kernel (how many varies with XLA's threads: 12-53% of a
+    # temporary's pages per call over repeated runs here); tuned, nothing is faulted again.
+    assert default["faults_per_call"] > 0.05 * pages
     assert tuned["faults_per_call"] < 0.01 * pages
