@@ -38,11 +38,16 @@ def _probe(**env: str) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_freed_buffers_are_reused_instead_of_page_faulted_again() -> None:
-    tuned = _probe()
-    default = _probe(**{host_memory.OPT_OUT_ENV: "default"})
-    assert tuned["applied"] and not default["applied"]
+    """Tuned, a step never faults its temporaries in again. By default glibc hands them back to the
+    kernel in most runs, but not all (how XLA's threads allocate varies: 0-53% of a temporary's pages
+    per call over repeated runs here), so the default is probed until it shows the effect, up to 4 times."""
     pages = 2048 * 8192 * 4 // 4096  # one temporary
-    # glibc hands freed buffers back to the kernel (how many varies with XLA's threads: 12-53% of a
-    # temporary's pages per call over repeated runs here); tuned, nothing is faulted again.
-    assert default["faults_per_call"] > 0.05 * pages
-    assert tuned["faults_per_call"] < 0.01 * pages
+    defaults = []
+    for _ in range(4):
+        tuned, default = _probe(), _probe(**{host_memory.OPT_OUT_ENV: "default"})
+        assert tuned["applied"] and not default["applied"]
+        assert tuned["faults_per_call"] < 0.01 * pages
+        defaults.append(default["faults_per_call"])
+        if defaults[-1] > 0.05 * pages:
+            return
+    pytest.fail(f"the default allocator never page-faulted a temporary again ({defaults} faults per call): the probe sees nothing")
