@@ -7,7 +7,6 @@ projections, GQA, Gemma 3's split K/V) and under QLoRA, up to float32 reassociat
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import jax
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 import qwix
 from flax import nnx
-from trainer_fixtures import dot_operand_types
+from trainer_fixtures import dot_operand_types, hlo_dots
 
 from lora_trainer import lora as lora_mod
 from lora_trainer.config import LoraSpec, QuantizationSpec
@@ -156,11 +155,9 @@ def _lora_models(family: str, tmp: Any, dtype: str) -> tuple[nnx.Module, nnx.Mod
 def _float32_dots(model: nnx.Module) -> list[tuple[list[str], ...]]:
     """(output, lhs, rhs) dims of the compiled LoRA step's dots whose operands are not both bf16."""
     step = nnx.jit(lambda m, i: nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)(m, **i))
-    hlo = step.lower(model, _inputs()).compile().as_text()
-    shapes = {name: (t, dims.split(",")) for name, t, dims in re.findall(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]", hlo)}
-    dots = re.findall(r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+    dots = hlo_dots(step.lower(model, _inputs()).compile().as_text())
     assert dots
-    return [(out.split(","), shapes[a][1], shapes[b][1]) for out, a, b in dots if (shapes[a][0], shapes[b][0]) != ("bf16", "bf16")]
+    return [(out, lhs[1], rhs[1]) for out, lhs, rhs in dots if (lhs[0], rhs[0]) != ("bf16", "bf16")]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -24,10 +24,19 @@ REPO = Path(__file__).resolve().parents[2]
 LORA_TRAINER = str(Path(sys.executable).with_name("lora-trainer"))
 
 
-def dot_operand_types(hlo: str) -> list[tuple[str, ...]]:
-    """The element types of every dot's operands in an optimized HLO module (names are module-unique)."""
-    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
-    return [tuple(types[a] for a in ops) for ops in re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)]
+def hlo_dots(hlo: str) -> list[tuple[list[str], tuple[str, list[str]], tuple[str, list[str]]]]:
+    """Every dot of an optimized HLO module: (output dims, (lhs element type, dims), (rhs element type, dims)).
+
+    Instruction names are module-unique, so operands are looked up by name across computations.
+    """
+    values = {name: (t, dims.split(",")) for name, t, dims in re.findall(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]", hlo)}
+    dots = re.findall(r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+    return [(out.split(","), values[a], values[b]) for out, a, b in dots]
+
+
+def dot_operand_types(hlo: str) -> list[tuple[str, str]]:
+    """The element types of every dot's operands in an optimized HLO module."""
+    return [(lhs[0], rhs[0]) for _, lhs, rhs in hlo_dots(hlo)]
 
 
 @functools.cache
