@@ -103,12 +103,31 @@ def hf_rope(hf_config: Mapping[str, Any], layer_type: str | None = None) -> Rope
 
 def rotate(inputs: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Apply rotary embedding in HF's rotate-half layout to [B, T, N, H] inputs."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
-    angles = angles[..., None, :]
-    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    sin, cos = sin_cos(positions, inv_freq)
+    sin, cos = sin[..., None, :], cos[..., None, :]
     first, second = jnp.split(inputs, 2, axis=-1)
     out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return out.astype(inputs.dtype)
+
+
+def sin_cos(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """sin and cos of the rotary angles `positions * inv_freq`, each [..., H/2] float32.
+
+    On CPU the two tables are materialised before they meet the heads. Left to itself, XLA's
+    CPU backend fuses sin and cos into the rotation's loop over [B, T, N, H] and so computes
+    them once per head instead of once per position: on the benchmark model the rope fusions
+    took ~2x the time of the rotation itself (docs/benchmarks.md, "Trainer: findings"). A
+    dot is an op XLA:CPU never fuses into an elementwise loop, and `optimization_barrier` is
+    dropped before fusion, so the tables pass through an exact identity product (float32, one
+    nonzero term per output: bitwise the same values). Other backends get the plain tables.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    table = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+    if jax.default_backend() == "cpu":
+        eye = jnp.eye(table.shape[-1], dtype=table.dtype)
+        table = jax.lax.dot_general(table, eye, (((table.ndim - 1,), (0,)), ((), ())), precision="highest")
+    sin, cos = jnp.split(table, 2, axis=-1)
+    return sin, cos
 
 
 _ACTIVE: contextvars.ContextVar[RopeSpec | None] = contextvars.ContextVar("lora_trainer_rope", default=None)
