@@ -171,7 +171,8 @@ def test_inv_freq_matches_transformers(params: dict) -> None:
 def test_rope_tables_are_computed_once_per_position() -> None:
     """sin/cos are computed per position, not once per head inside the rotation's loop (XLA:CPU
     fuses them there unless they are materialised: ~2x the rope's time on the benchmark model),
-    and the rotation still equals transformers' `q * cos + rotate_half(q) * sin`."""
+    and the rotation still equals transformers' `q * cos + rotate_half(q) * sin`, also when it is
+    computed in attention's grouped layout."""
     import re
 
     import jax
@@ -195,6 +196,18 @@ def test_rope_tables_are_computed_once_per_position() -> None:
     xn = np.asarray(x, np.float64)
     want = xn * cos + np.concatenate([-xn[..., h // 2 :], xn[..., : h // 2]], -1) * sin
     np.testing.assert_allclose(np.asarray(rotate(x, positions, inv_freq)), want, atol=1e-5)
+    # Grouped per kv head (attention's layout on CPU, with its own backward): the same values and
+    # gradients, up to float32 rounding (XLA fuses the products differently).
+    cot = jax.random.normal(jax.random.PRNGKey(1), x.shape)
+    for kv_heads in (1, 2, 4):
+        grouped = jax.jit(lambda x, p, kv=kv_heads: rotate(x, p, inv_freq, kv))
+        np.testing.assert_allclose(np.asarray(grouped(x, positions)), np.asarray(rotate(x, positions, inv_freq)), atol=1e-6)
+        grad = jax.grad(lambda x, f: jnp.vdot(f(x), cot))
+        np.testing.assert_allclose(
+            np.asarray(grad(x, lambda x: grouped(x, positions))),
+            np.asarray(grad(x, lambda x: rotate(x, positions, inv_freq))),
+            atol=1e-6,
+        )
 
 
 def test_legacy_rope_fields_are_read() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
@@ -101,13 +102,53 @@ def hf_rope(hf_config: Mapping[str, Any], layer_type: str | None = None) -> Rope
     return rope_from_params(params, theta=hf_config.get("rope_theta"), where="config.json")
 
 
-def rotate(inputs: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Apply rotary embedding in HF's rotate-half layout to [B, T, N, H] inputs."""
+def rotate(inputs: jax.Array, positions: jax.Array, inv_freq: np.ndarray, kv_heads: int | None = None) -> jax.Array:
+    """Apply rotary embedding in HF's rotate-half layout to [B, T, N, H] inputs.
+
+    With `kv_heads` (the heads being rotated are grouped per kv head, as attention reads them)
+    on CPU, see `_rotate_grouped`. The values are the same either way (up to float32 rounding).
+    """
     sin, cos = sin_cos(positions, inv_freq)
-    sin, cos = sin[..., None, :], cos[..., None, :]
-    first, second = jnp.split(inputs, 2, axis=-1)
-    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return out.astype(inputs.dtype)
+    if kv_heads is not None and jax.default_backend() == "cpu":
+        return _rotate_grouped(inputs, sin, cos, kv_heads)
+    return _rotated(inputs, sin[..., None, :], cos[..., None, :])
+
+
+def _rotated(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """HF's `x * cos + rotate_half(x) * sin` in x's dtype, sin/cos broadcast against x's last axis."""
+    first, second = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rotate_grouped(inputs: jax.Array, sin: jax.Array, cos: jax.Array, kv_heads: int) -> jax.Array:
+    """`rotate` of [B, T, N, H] inputs, computed on the heads as `gqa_attention`'s CPU dots read them.
+
+    Why: XLA:CPU fuses a rotation and a transpose into one loop, and that loop runs at about half
+    speed when the transpose comes last (its output scattered) rather than first (its input
+    gathered) (docs/benchmarks.md, "Trainer: findings"). The attention's dots read queries as
+    [B, kv, T, N/kv, H]; the forward rotates in that layout, so XLA cancels the transposes and
+    writes the rotated values straight where the dots read them. Its gradient arrives in that
+    layout and needs [B, T, N, H] for the projection's backward: the backward transposes first
+    and rotates back (by the negative angle) after.
+    """
+    b, t, n, h = inputs.shape
+    x = jnp.transpose(inputs.reshape(b, t, kv_heads, n // kv_heads, h), (0, 2, 1, 3, 4))
+    out = _rotated(x, sin[:, None, :, None, :], cos[:, None, :, None, :])
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, n, h)
+
+
+def _rotate_grouped_fwd(inputs: jax.Array, sin: jax.Array, cos: jax.Array, kv_heads: int) -> tuple[jax.Array, tuple]:
+    return _rotate_grouped(inputs, sin, cos, kv_heads), (sin, cos)
+
+
+def _rotate_grouped_bwd(kv_heads: int, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    sin, cos = res
+    dx = _rotated(g, -sin[..., None, :], cos[..., None, :])
+    return dx, jnp.zeros_like(sin), jnp.zeros_like(cos)
+
+
+_rotate_grouped.defvjp(_rotate_grouped_fwd, _rotate_grouped_bwd)
 
 
 def sin_cos(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -149,11 +190,13 @@ def install_seam(module: ModuleType) -> None:
     if getattr(original, "_lora_trainer_seam", False):
         return
 
-    def apply_rope(inputs: jax.Array, positions: jax.Array, head_dim: int, rope_theta: int = 1_000_000) -> jax.Array:
+    def apply_rope(
+        inputs: jax.Array, positions: jax.Array, head_dim: int, rope_theta: int = 1_000_000, kv_heads: int | None = None
+    ) -> jax.Array:
         spec = _ACTIVE.get()
         if spec is None:
             return original(inputs, positions, head_dim=head_dim, rope_theta=rope_theta)
-        return rotate(inputs, positions, spec.inv_freq(head_dim))
+        return rotate(inputs, positions, spec.inv_freq(head_dim), kv_heads)
 
     apply_rope._lora_trainer_seam = True  # type: ignore[attr-defined]
     module.apply_rope = apply_rope

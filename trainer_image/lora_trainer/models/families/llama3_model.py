@@ -29,8 +29,8 @@ class Attention(tunix_llama3.Attention):
         if cache is not None:
             return super().block(x, segment_pos, cache, attn_mask)
         btnh = self.shd_config.act_btnh
-        q = tunix_llama3.apply_rope(tunix_llama3.shard(self.q_proj(x), btnh), segment_pos, head_dim=self.head_dim)
-        k = tunix_llama3.apply_rope(tunix_llama3.shard(self.k_proj(x), btnh), segment_pos, head_dim=self.head_dim)
+        q = tunix_llama3.apply_rope(tunix_llama3.shard(self.q_proj(x), btnh), segment_pos, head_dim=self.head_dim, kv_heads=self.config.num_kv_heads)
+        k = tunix_llama3.apply_rope(tunix_llama3.shard(self.k_proj(x), btnh), segment_pos, head_dim=self.head_dim, kv_heads=self.config.num_kv_heads)
         v = tunix_llama3.shard(self.v_proj(x), btnh)
         out = self.o_proj(gqa_attention(q, k, v, attn_mask, self.scale))
         return None, tunix_llama3.shard(out, self.shd_config.act_btd)

@@ -34,8 +34,8 @@ class Attention(tunix_qwen3.Attention):
         q = tunix_qwen3.shard(self.q_norm(self.q_proj(x)), btnh)
         k = tunix_qwen3.shard(self.k_norm(self.k_proj(x)), btnh)
         v = tunix_qwen3.shard(self.v_proj(x), btnh)
-        q = tunix_qwen3.apply_rope(q, segment_pos, head_dim=self.head_dim)
-        k = tunix_qwen3.apply_rope(k, segment_pos, head_dim=self.head_dim)
+        q = tunix_qwen3.apply_rope(q, segment_pos, head_dim=self.head_dim, kv_heads=self.config.num_kv_heads)
+        k = tunix_qwen3.apply_rope(k, segment_pos, head_dim=self.head_dim, kv_heads=self.config.num_kv_heads)
         out = self.o_proj(gqa_attention(q, k, v, attn_mask, self.scale))
         return None, tunix_qwen3.shard(out, self.shd_config.act_btd)
 
