@@ -86,3 +86,32 @@ def _bwd(scale: float, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, 
 
 
 gqa_attention.defvjp(_fwd, _bwd)
+
+
+def causal_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float) -> jax.Array:
+    """`gqa_attention(q, k, v, mask & causal, scale)` for a decoder: query i attends keys j <= i (where `mask` allows).
+
+    Why: causality masks the upper-right quarter of the [T, T] scores, which `gqa_attention`
+    still forms, exponentiates and differentiates. With queries and keys of one length the
+    queries are split in two halves: the first attends only the first half of the keys, the
+    second all of them, so that quarter is never formed (on the benchmark shapes a layer's
+    attention forward and backward take 23 instead of 39 ms; docs/benchmarks.md, "Trainer: findings").
+
+    Every decoder family's mask is causal already (Tunix's and ours), so `mask & causal` is
+    their mask. The values are exactly those of one `gqa_attention` call, including a fully
+    masked row (padding), which attends uniformly to every key as in Tunix: such a row of the
+    first half gets the mean of all values rather than of the first half's.
+    """
+    t, s = q.shape[1], k.shape[1]
+    causal = jnp.tril(jnp.ones((t, s), jnp.bool_))[None]
+    mask = causal if mask is None else mask & causal
+    if t != s or t < 2:
+        return gqa_attention(q, k, v, mask, scale)
+    h = t // 2
+    top = gqa_attention(q[:, :h], k[:, :h], v[:, :h], mask[:, :h, :h], scale)
+    bottom = gqa_attention(q[:, h:], k, v, mask[:, h:], scale)
+    empty = ~jnp.any(mask[:, :h, :h], axis=-1)  # [b, h]: rows that attend to no key at all
+    groups = q.shape[2] // k.shape[2]
+    mean_v = jnp.repeat(jnp.mean(v.astype(jnp.float32), axis=1), groups, axis=1).astype(q.dtype)  # [b, n, d]
+    top = jnp.where(empty[:, :, None, None], mean_v[:, None], top)
+    return jnp.concatenate([top, bottom], axis=1)

@@ -9,7 +9,7 @@ Three fixes over a plain Tunix Gemma3 built from presets:
   `attn/kv_einsum/k_proj` and `attn/kv_einsum/v_proj`.
 - Settings Tunix hard-codes (RMSNorm eps 1e-6, no logit soft-capping, tanh GELU, tied
   embeddings) are checked against config.json and refused when they differ.
-Its attention trains through `models.attention.gqa_attention` (see there for why).
+Its attention trains through `models.attention.causal_gqa_attention` (see there for why).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tunix.models.gemma3 import model as tunix_gemma3
 
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
-from lora_trainer.models.attention import gqa_attention
+from lora_trainer.models.attention import causal_gqa_attention
 from lora_trainer.models.families.common import head_dim, require, use_attention
 
 Norm = tunix_gemma3.QueryPreAttentionNormalisation
@@ -33,7 +33,7 @@ shard = tunix_gemma3.sharding_utils.shard
 
 
 class Attention(tunix_gemma3.Attention):
-    """Tunix's gemma3 attention; without a KV cache the core is `gqa_attention`.
+    """Tunix's gemma3 attention; without a KV cache the core is `causal_gqa_attention`.
 
     As Tunix: q/k RMSNorm, per-layer rope, the query scaled before the scores, and a local
     layer attending to keys less than `sliding_window_size` positions away.
@@ -56,7 +56,7 @@ class Attention(tunix_gemma3.Attention):
             ones = jnp.ones(attn_mask.shape[-2:], jnp.bool_)
             window = jnp.triu(ones, 1 - self.sliding_window_size) & jnp.tril(ones, self.sliding_window_size - 1)
             attn_mask = attn_mask & window
-        out = gqa_attention(q * self.query_pre_attn_scalar, k, v, attn_mask, 1.0)
+        out = causal_gqa_attention(q * self.query_pre_attn_scalar, k, v, attn_mask, 1.0)
         return None, shard(self.attn_vec_einsum(out), self.shd_config.act_btd)
 
 

@@ -2,7 +2,7 @@
 
 Tunix's attention hard-codes theta 1e6 and has no Llama 3.1 `rope_scaling`; the subclass
 below runs the forward pass under the model's own RopeSpec (see models/rope.py). Its
-attention trains through `models.attention.gqa_attention` (see there for why).
+attention trains through `models.attention.causal_gqa_attention` (see there for why).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from flax import nnx
 from tunix.models.llama3 import model as tunix_llama3
 
 from lora_trainer.models import rope
-from lora_trainer.models.attention import gqa_attention
+from lora_trainer.models.attention import causal_gqa_attention
 from lora_trainer.models.families.common import decoder_dims, require, use_attention
 
 rope.install_seam(tunix_llama3)
 
 
 class Attention(tunix_llama3.Attention):
-    """Tunix's llama3 attention; without a KV cache (training, scoring) the core is `gqa_attention`."""
+    """Tunix's llama3 attention; without a KV cache (training, scoring) the core is `causal_gqa_attention`."""
 
     def block(self, x: jax.Array, segment_pos: jax.Array, cache: Any, attn_mask: jax.Array | None) -> tuple[Any, jax.Array]:
         if cache is not None:
@@ -32,7 +32,7 @@ class Attention(tunix_llama3.Attention):
         q = tunix_llama3.apply_rope(tunix_llama3.shard(self.q_proj(x), btnh), segment_pos, head_dim=self.head_dim, kv_heads=self.config.num_kv_heads)
         k = tunix_llama3.apply_rope(tunix_llama3.shard(self.k_proj(x), btnh), segment_pos, head_dim=self.head_dim, kv_heads=self.config.num_kv_heads)
         v = tunix_llama3.shard(self.v_proj(x), btnh)
-        out = self.o_proj(gqa_attention(q, k, v, attn_mask, self.scale))
+        out = self.o_proj(causal_gqa_attention(q, k, v, attn_mask, self.scale))
         return None, tunix_llama3.shard(out, self.shd_config.act_btd)
 
 

@@ -2,7 +2,7 @@
 
 Tunix's qwen2 takes `rope_theta` from its config (no seam needed) but has no rope
 scaling and no sliding window: configs that use either are refused rather than run wrong.
-Its attention trains through `models.attention.gqa_attention` (see there for why).
+Its attention trains through `models.attention.causal_gqa_attention` (see there for why).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from tunix.models.qwen2 import model as tunix_qwen2
 
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
-from lora_trainer.models.attention import gqa_attention
+from lora_trainer.models.attention import causal_gqa_attention
 from lora_trainer.models.families.common import decoder_dims, require, use_attention
 
 
 class Attention(tunix_qwen2.Attention):
-    """Tunix's qwen2 attention; without a KV cache or splash kernel the core is `gqa_attention`."""
+    """Tunix's qwen2 attention; without a KV cache or splash kernel the core is `causal_gqa_attention`."""
 
     def block(
         self,
@@ -44,7 +44,7 @@ class Attention(tunix_qwen2.Attention):
         if segment_ids is not None:  # as Tunix: attend within one's own segment only
             same = segment_ids[:, :, None] == segment_ids[:, None, :]
             attn_mask = same if attn_mask is None else attn_mask & same
-        out = self.o_proj(gqa_attention(q, k, v, attn_mask, self.scale))
+        out = self.o_proj(causal_gqa_attention(q, k, v, attn_mask, self.scale))
         return None, tunix_qwen2.shard(out, self.shd_config.act_btd)
 
     def _biased(self, proj: jax.Array, bias: nnx.Param) -> jax.Array:

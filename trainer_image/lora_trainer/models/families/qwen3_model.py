@@ -1,7 +1,7 @@
 """Qwen3 (dense) on Tunix's qwen3 model, with rope taken from config.json.
 
 Tunix's qwen3 attention, like llama3's, ignores `config.rope_theta`; the subclass runs
-the forward pass under the model's own RopeSpec (see models/rope.py), and its attention trains through `models.attention.gqa_attention`. MoE Qwen3 models
+the forward pass under the model's own RopeSpec (see models/rope.py), and its attention trains through `models.attention.causal_gqa_attention`. MoE Qwen3 models
 (`qwen3_moe`) are a different model_type and not supported.
 """
 
@@ -16,14 +16,14 @@ from flax import nnx
 from tunix.models.qwen3 import model as tunix_qwen3
 
 from lora_trainer.models import rope
-from lora_trainer.models.attention import gqa_attention
+from lora_trainer.models.attention import causal_gqa_attention
 from lora_trainer.models.families.common import decoder_dims, require, use_attention
 
 rope.install_seam(tunix_qwen3)
 
 
 class Attention(tunix_qwen3.Attention):
-    """Tunix's qwen3 attention; without a KV cache or splash kernel the core is `gqa_attention`."""
+    """Tunix's qwen3 attention; without a KV cache or splash kernel the core is `causal_gqa_attention`."""
 
     def block(
         self, x: jax.Array, segment_pos: jax.Array, cache: Any, attn_mask: jax.Array | None, segment_ids: jax.Array | None = None
@@ -36,7 +36,7 @@ class Attention(tunix_qwen3.Attention):
         v = tunix_qwen3.shard(self.v_proj(x), btnh)
         q = tunix_qwen3.apply_rope(q, segment_pos, head_dim=self.head_dim, kv_heads=self.config.num_kv_heads)
         k = tunix_qwen3.apply_rope(k, segment_pos, head_dim=self.head_dim, kv_heads=self.config.num_kv_heads)
-        out = self.o_proj(gqa_attention(q, k, v, attn_mask, self.scale))
+        out = self.o_proj(causal_gqa_attention(q, k, v, attn_mask, self.scale))
         return None, tunix_qwen3.shard(out, self.shd_config.act_btd)
 
 
