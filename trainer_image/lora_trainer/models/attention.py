@@ -110,8 +110,19 @@ def causal_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     h = t // 2
     top = gqa_attention(q[:, :h], k[:, :h], v[:, :h], mask[:, :h, :h], scale)
     bottom = gqa_attention(q[:, h:], k, v, mask[:, h:], scale)
-    empty = ~jnp.any(mask[:, :h, :h], axis=-1)  # [b, h]: rows that attend to no key at all
-    groups = q.shape[2] // k.shape[2]
-    mean_v = jnp.repeat(jnp.mean(v.astype(jnp.float32), axis=1), groups, axis=1).astype(q.dtype)  # [b, n, d]
-    top = jnp.where(empty[:, :, None, None], mean_v[:, None], top)
-    return jnp.concatenate([top, bottom], axis=1)
+    return jnp.concatenate([_attend_all_if_empty(top, v, mask[:, :h, :h]), bottom], axis=1)
+
+
+def _attend_all_if_empty(out: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """`out` [b, t, n, d] with each row whose `mask` [b, t, s'] is all False replaced by the mean of all of `v`.
+
+    The mean goes to those rows as a batched outer product (a dot), so its gradient, the sum of
+    their output gradients, is a dot too (as a sum XLA:CPU splits it into slow windowed reductions).
+    """
+    b, t, n, d = out.shape
+    empty = jnp.broadcast_to(~jnp.any(mask, axis=-1), (b, t)).astype(jnp.float32)
+    groups = n // v.shape[2]
+    mean_v = jnp.repeat(jnp.mean(v.astype(jnp.float32), axis=1), groups, axis=1).reshape(b, 1, n * d)  # [b, 1, n*d]
+    spread = jax.lax.dot_general(empty[:, :, None], mean_v, (((2,), (1,)), ((0,), (0,))))  # [b, t, n*d]
+    kept = out.astype(jnp.float32) * (1.0 - empty)[:, :, None, None]
+    return (kept + spread.reshape(b, t, n, d)).astype(out.dtype)
