@@ -14,6 +14,7 @@ stop or restart its server (an outage) starts its own with `start_emulator` and 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -21,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -62,11 +64,12 @@ def emulator_env(port: int) -> dict[str, str]:
     }
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], stderr: Path, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"gcp-storage-emulator exited with code {proc.returncode} before serving")
+            tail = stderr.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"gcp-storage-emulator exited with code {proc.returncode} before serving:\n{tail}")
         try:
             with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1):
                 return
@@ -113,10 +116,13 @@ def start_emulator(*, bucket: str = BUCKET, data_dir: Path | None = None, port: 
         cmd.append("--in-memory")
     else:
         env = {**os.environ, "STORAGE_BASE": str(data_dir.resolve())}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    stderr = Path(tempfile.mkstemp(prefix="gcs-emulator-", suffix=".log")[1])
+    atexit.register(stderr.unlink, missing_ok=True)
+    with stderr.open("wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
     emulator = Emulator(proc, port)
     try:
-        _wait_ready(emulator.env["STORAGE_EMULATOR_HOST"], proc)
+        _wait_ready(emulator.env["STORAGE_EMULATOR_HOST"], proc, stderr)
     except BaseException:
         emulator.stop()
         raise

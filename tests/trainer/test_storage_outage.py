@@ -112,8 +112,9 @@ def test_storage_outage_exits_retriable_promptly_then_resumes(tmp_path):
         print(f"exit {code} {took:.1f}s after the outage: {final}")
 
         # The storage comes back with the same objects: the checkpoint is whole, nothing half-written
-        # counts, and a restarted run resumes from it.
-        emulator = start_emulator(bucket=BUCKET, data_dir=data_dir, port=emulator.port)
+        # counts, and a restarted run resumes from it. (On a new port: the killed server's port can
+        # still be held by the connections it dropped, and the restarted run reads its endpoint anew.)
+        emulator = start_emulator(bucket=BUCKET, data_dir=data_dir)
         assert _steps(emulator) == {"dirs": [2], "committed": [2]}
         text = _finish(*_run({**cfg, "training": {**cfg["training"], "steps": 3}}, "resumed", tmp_path, emulator))
         assert "resuming from step 2" in text and progress_lines(tmp_path / "resumed.log")[-1]["step"] == 3
