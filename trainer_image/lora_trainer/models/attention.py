@@ -13,7 +13,8 @@ Semantics are Tunix's: scores `q . k * scale` in float32, masked with the same l
 negative number (a fully masked row attends uniformly, as in Tunix, and passes no gradient to
 the masked scores), softmax in float32, probabilities rounded to the activations' dtype before
 they meet `v`. 16-bit operands accumulate in float32 (`accumulating_dot.contract`).
-The family modules call it from their attention's training path (no KV cache).
+The family modules call its causal form, `causal_gqa_attention`, from their attention's
+training path (no KV cache).
 """
 
 from __future__ import annotations

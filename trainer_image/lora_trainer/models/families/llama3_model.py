@@ -28,9 +28,9 @@ class Attention(tunix_llama3.Attention):
     def block(self, x: jax.Array, segment_pos: jax.Array, cache: Any, attn_mask: jax.Array | None) -> tuple[Any, jax.Array]:
         if cache is not None:
             return super().block(x, segment_pos, cache, attn_mask)
-        btnh = self.shd_config.act_btnh
-        q = tunix_llama3.apply_rope(tunix_llama3.shard(self.q_proj(x), btnh), segment_pos, head_dim=self.head_dim, kv_heads=self.config.num_kv_heads)
-        k = tunix_llama3.apply_rope(tunix_llama3.shard(self.k_proj(x), btnh), segment_pos, head_dim=self.head_dim, kv_heads=self.config.num_kv_heads)
+        btnh, kv = self.shd_config.act_btnh, self.config.num_kv_heads
+        q = tunix_llama3.apply_rope(tunix_llama3.shard(self.q_proj(x), btnh), segment_pos, head_dim=self.head_dim, kv_heads=kv)
+        k = tunix_llama3.apply_rope(tunix_llama3.shard(self.k_proj(x), btnh), segment_pos, head_dim=self.head_dim, kv_heads=kv)
         v = tunix_llama3.shard(self.v_proj(x), btnh)
         out = self.o_proj(causal_gqa_attention(q, k, v, attn_mask, self.scale))
         return None, tunix_llama3.shard(out, self.shd_config.act_btd)
