@@ -37,7 +37,7 @@ def make_peft_adapter(
     *,
     rank: int = 4,
     alpha: float = 8.0,
-    targets: Sequence[str] = ALL_PROJECTIONS,
+    targets: Sequence[str] | str = ALL_PROJECTIONS,
     use_rslora: bool = False,
     seed: int = 0,
 ) -> Path:
@@ -47,7 +47,8 @@ def make_peft_adapter(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), task_type="CAUSAL_LM", use_rslora=use_rslora)
+    modules = targets if isinstance(targets, str) else list(targets)  # a str is one regex, as PEFT takes it
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, task_type="CAUSAL_LM", use_rslora=use_rslora)
     peft_model = get_peft_model(model, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

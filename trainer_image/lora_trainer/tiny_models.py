@@ -115,10 +115,41 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+#: Multimodal kinds: Gemma 3 4B-27B's layout (`Gemma3ForConditionalGeneration`: a SigLIP vision
+#: tower, a projector and the family's decoder as `text_config`), the vision side tiny too.
+MULTIMODAL: dict[str, dict[str, Any]] = {
+    "gemma3-multimodal": {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        "mm_tokens_per_image": 4,
+        # Ids at the top of the tiny vocabulary, which the tiny tokenizer never produces.
+        "boi_token_index": 268,
+        "eoi_token_index": 269,
+        "image_token_index": 270,
+    }
+}
+
+
 def tiny_config_dict(family: str, **overrides: Any) -> dict[str, Any]:
-    """The config.json fields of a tiny model of `family` (before token ids are added)."""
+    """The config.json fields of a tiny model of `family` (before token ids are added).
+
+    For a `MULTIMODAL` kind, `overrides` apply to the decoder's `text_config`.
+    """
+    if family in MULTIMODAL:
+        text = tiny_config_dict("gemma3", **overrides)
+        del text["architectures"]
+        return {**MULTIMODAL[family], "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
     if family not in FAMILY_CONFIGS:
-        raise ValueError(f"no tiny model for family {family!r}; known: {sorted(FAMILY_CONFIGS)}")
+        raise ValueError(f"no tiny model for family {family!r}; known: {sorted(FAMILY_CONFIGS) + sorted(MULTIMODAL)}")
     cfg = {**_COMMON, **FAMILY_CONFIGS[family], **overrides}
     if "num_hidden_layers" in overrides and "layer_types" in cfg and "layer_types" not in overrides:
         pattern = ("sliding_attention", "full_attention")
@@ -157,7 +188,7 @@ def _hf_model(family: str, cfg: dict[str, Any], seed: int) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**cfg)
+    config = AutoConfig.for_model(**cfg)  # a multimodal kind: AutoModelForCausalLM builds the whole model
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -165,7 +196,7 @@ def _hf_model(family: str, cfg: dict[str, Any], seed: int) -> Any:
             if name.endswith("norm.weight"):
                 # Non-trivial norm scales catch a missing or doubled `1 +` and swapped norms.
                 # Gemma stores w of a `(1 + w)` scale, the others the scale itself.
-                offset = 0.0 if family == "gemma3" else 1.0
+                offset = 0.0 if family.startswith("gemma3") else 1.0
                 p.copy_(offset + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
@@ -186,14 +217,13 @@ def make_tiny_hf_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = tiny_config_dict(family, **overrides)
-    tokenizer = build_tokenizer(cfg["vocab_size"])
-    if len(tokenizer) > cfg["vocab_size"]:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but vocab_size is {cfg['vocab_size']}")
-    cfg.update(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    text = cfg.get("text_config", cfg)
+    tokenizer = build_tokenizer(text["vocab_size"])
+    if len(tokenizer) > text["vocab_size"]:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but vocab_size is {text['vocab_size']}")
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    cfg.update(ids)
+    text.update(ids)
     model = _hf_model(family, cfg, seed)
     max_shard = "64KB" if sharded else "2GB"
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard)

@@ -384,6 +384,7 @@ class _Run:
         loaded = load_model(cfg.model.source, family=cfg.model.family, dtype=cfg.model.dtype, mesh=self.mesh)
         self.metadata = {
             "family": loaded.family.name,
+            "multimodal": loaded.family.multimodal,
             "baseModel": cfg.model.source,
             "rank": cfg.lora.rank,
             "alpha": cfg.lora.alpha,

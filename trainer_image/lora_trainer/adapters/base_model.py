@@ -24,7 +24,9 @@ class BaseShapes:
     """A base model's family, config.json and `{module_path: NNX weight shape}` of its LoRA targets."""
 
     family: FamilySpec
+    """The family with the base's HF names (`FamilySpec.for_checkpoint`)."""
     hf_config: dict[str, Any]
+    """The decoder's config (config.json, or its `text_config` for a multimodal base)."""
     weight_shapes: dict[str, tuple[int, ...]]
 
 
@@ -47,5 +49,6 @@ def base_shapes(base_uri: str, family: str | None = None) -> BaseShapes:
     with tempfile.TemporaryDirectory(prefix="lora-base-config-") as tmp:
         (Path(tmp) / "config.json").write_bytes(storage.read_bytes(config_uri))
         hf_config = read_hf_config(Path(tmp))
-    spec = resolve_family(hf_config, family, config_uri)
-    return BaseShapes(family=spec, hf_config=hf_config, weight_shapes=spec.lora_weight_shapes(hf_config))
+    # Module names (all an adapter needs) do not depend on how the base stores its tensors.
+    spec, text_config = resolve_family(hf_config, family, config_uri).for_checkpoint(hf_config)
+    return BaseShapes(family=spec, hf_config=text_config, weight_shapes=spec.lora_weight_shapes(text_config))

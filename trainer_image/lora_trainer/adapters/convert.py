@@ -56,6 +56,7 @@ def imported_metadata(adapter: PeftLoraAdapter, tree: LoraTree, base: BaseShapes
     """The checkpoint metadata (docs/dev/contracts.md) of an imported adapter."""
     return {
         "family": base.family.name,
+        "multimodal": base.family.multimodal,
         "baseModel": base_uri,
         "rank": adapter.hyper.rank,
         "alpha": adapter.hyper.alpha,
@@ -102,7 +103,7 @@ def convert(
     tree, metadata = read_lora(source)
     if metadata["family"] != shapes.family.name:
         raise UserError(f"the checkpoint at {source} is a {metadata['family']} adapter but --base {base} is a {shapes.family.name} model")
-    adapter = adapter_from_checkpoint(tree, metadata, base=base)
+    adapter = adapter_from_checkpoint(tree, metadata, base=base, family=shapes.family)
     # The Orbax side may come from anywhere: check it fits --base before writing.
     peft_to_lora_tree(adapter.modules, shapes.family, shapes.weight_shapes, rank=adapter.hyper.rank)
     write_adapter_output(adapter, out, merged=merged, base=base)

@@ -13,18 +13,25 @@ from typing import Any
 import numpy as np
 
 from lora_trainer import storage
-from lora_trainer.adapters.mapping import lora_tree_to_peft, short_names
+from lora_trainer.adapters.mapping import lora_tree_to_peft, peft_target_modules
 from lora_trainer.adapters.merge import merge_adapter_into_checkpoint
 from lora_trainer.adapters.peft_format import LoraHyper, PeftLoraAdapter, write_peft_adapter
 from lora_trainer.checkpoint import read_lora
 from lora_trainer.errors import UserError
-from lora_trainer.models import get_family
+from lora_trainer.models import FamilySpec, family_of_checkpoint
 
 
 def adapter_from_checkpoint(
-    tree: Mapping[str, Mapping[str, Any]], metadata: Mapping[str, Any], *, base: str | None = None
+    tree: Mapping[str, Mapping[str, Any]],
+    metadata: Mapping[str, Any],
+    *,
+    base: str | None = None,
+    family: FamilySpec | None = None,
 ) -> PeftLoraAdapter:
-    """The PEFT form of a checkpoint's LoRA tree; refuses non-finite values, naming the module."""
+    """The PEFT form of a checkpoint's LoRA tree; refuses non-finite values, naming the module.
+
+    HF module names are those of the family the metadata records, or of `family` (a given base's).
+    """
     for path, params in tree.items():
         for name, arr in params.items():
             if not np.isfinite(np.asarray(arr, dtype=np.float32)).all():
@@ -32,13 +39,13 @@ def adapter_from_checkpoint(
                     f"LoRA parameter {path}/{name} of step {metadata.get('step')} holds NaN or Inf (training diverged): "
                     "export an earlier step with --step, or lower the learning rate and retrain"
                 )
-    family = get_family(str(metadata["family"]))
+    family = family or family_of_checkpoint(metadata)
     modules = lora_tree_to_peft(tree, family)
     hyper = LoraHyper(
         rank=int(metadata["rank"]),
         alpha=float(metadata["alpha"]),
         dropout=float(metadata.get("dropout") or 0.0),
-        target_modules=short_names(modules),
+        target_modules=peft_target_modules(modules, family),
         base_model=base or metadata.get("baseModel"),
     )
     return PeftLoraAdapter(hyper=hyper, modules=modules)

@@ -120,3 +120,14 @@ def _matches(template: str, path: str) -> bool:
 def short_names(hf_modules: Iterable[str]) -> tuple[str, ...]:
     """PEFT's `target_modules`: the last component of each HF module name (`q_proj`, ...)."""
     return tuple(sorted({m.rsplit(".", 1)[-1] for m in hf_modules}))
+
+
+def peft_target_modules(hf_modules: Iterable[str], family: FamilySpec) -> tuple[str, ...] | str:
+    """PEFT's `target_modules` for an adapter on these HF modules: their short names, or for the
+    decoder of a multimodal model a regex that keeps them inside it (the vision tower has its own
+    `q_proj`, `k_proj` and `v_proj`, which short names would adapt too)."""
+    names = short_names(hf_modules)
+    if not family.multimodal:
+        return names
+    assert family.nested_text is not None
+    return re.escape(family.nested_text.module_prefix) + r".*\.(" + "|".join(names) + ")"

@@ -23,6 +23,9 @@ from lora_trainer.models.safetensors_io import INDEX_FILE, SafetensorsCheckpoint
 
 #: Shard size of the merged output (transformers' own default is 5 GB; smaller shards upload in parallel).
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+#: Module-name prefix -> the prefix transformers stores those modules' tensors under: a multimodal
+#: model's decoder (`model.language_model.*`) is saved as `language_model.model.*` (renamed on load).
+_STORED_PREFIXES = {"model.language_model.": "language_model.model."}
 #: Files of the base checkpoint that are weights (never copied as-is into the merged output).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 
@@ -80,6 +83,17 @@ class _ShardWriter:
         (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
+def stored_weight_key(module: str, keys: set[str]) -> str:
+    """The key of an HF module's weight in a checkpoint holding `keys`: `<module>.weight`, or its
+    stored legacy name (`_STORED_PREFIXES`) when only that exists."""
+    key = f"{module}.weight"
+    for prefix, stored in _STORED_PREFIXES.items():
+        legacy = stored + key[len(prefix) :]
+        if key.startswith(prefix) and key not in keys and legacy in keys:
+            return legacy
+    return key
+
+
 def merge_adapter_into_checkpoint(
     base_dir: Path,
     adapter: PeftLoraAdapter,
@@ -92,9 +106,10 @@ def merge_adapter_into_checkpoint(
     Config, tokenizer and generation files are copied unchanged. Every adapter module must
     name a weight of the base (`<module>.weight`), else a UserError names it.
     """
-    pending: Mapping[str, tuple[np.ndarray, np.ndarray]] = {f"{m}.weight": ab for m, ab in adapter.modules.items()}
     base = SafetensorsCheckpoint(base_dir)
-    unmerged = sorted(set(pending) - set(base.keys()))
+    keys = set(base.keys())
+    pending: Mapping[str, tuple[np.ndarray, np.ndarray]] = {stored_weight_key(m, keys): ab for m, ab in adapter.modules.items()}
+    unmerged = sorted(set(pending) - keys)
     if unmerged:
         raise UserError(
             f"the base model in {base_dir} has no weight {unmerged[0]!r} that the adapter targets "

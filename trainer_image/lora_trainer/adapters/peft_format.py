@@ -56,8 +56,8 @@ class LoraHyper:
     rank: int
     alpha: float
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = ()
-    """HF short module names (e.g. `q_proj`), sorted."""
+    target_modules: tuple[str, ...] | str = ()
+    """HF short module names (e.g. `q_proj`), sorted; or one regex, which PEFT full-matches against module names."""
     base_model: str | None = None
     """`base_model_name_or_path`: where the base model lives (URI or hub id), if known."""
 
@@ -166,7 +166,7 @@ def config_json(hyper: LoraHyper) -> dict[str, Any]:
         "r": hyper.rank,
         "rank_pattern": {},
         "revision": None,
-        "target_modules": sorted(hyper.target_modules),
+        "target_modules": hyper.target_modules if isinstance(hyper.target_modules, str) else sorted(hyper.target_modules),
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": False,

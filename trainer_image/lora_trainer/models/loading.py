@@ -44,7 +44,9 @@ class LoadedModel:
 
     model: nnx.Module
     family: FamilySpec
+    """The family, with this checkpoint's HF names (`FamilySpec.for_checkpoint`)."""
     hf_config: dict[str, Any]
+    """The decoder's config: config.json, or its `text_config` for a multimodal checkpoint."""
     local_dir: Path
     """A local directory with the checkpoint's files (config.json, tokenizer, safetensors)."""
 
@@ -140,6 +142,10 @@ def fill_params(
         raise AssertionError(f"{family.name} weight table does not cover NNX parameters {missing}")
     used = {hf_key for hf_key, _, _ in expand_rules(family.weights, hf_config, family.num_layers(hf_config))}
     unused = sorted(set(tensors.keys()) - used)
+    if family.multimodal:
+        others = [k for k in unused if not k.startswith(family.decoder_tensors)]
+        log.info("training the text decoder of a multimodal checkpoint; %d other tensors (vision) stay out", len(others))
+        unused = [k for k in unused if k.startswith(family.decoder_tensors)]
     if unused:
         log.warning("ignoring %d checkpoint tensors the %s model does not use: %s", len(unused), family.name, unused[:8])
     for path, var in nnx.to_flat_state(state):
@@ -168,8 +174,8 @@ def load_model(
             f"model.family is {family!r} but {directory / 'config.json'} describes a {detected} model "
             f"(model_type {hf_config.get('model_type')!r}); drop model.family or fix it"
         )
-    spec = get_family(name)
     tensors = SafetensorsCheckpoint(directory)
+    spec, hf_config = get_family(name).for_checkpoint(hf_config, tensors.keys())
     abstract = build_abstract(spec, hf_config, dtype)
     model = fill_params(abstract, spec, hf_config, tensors, dtype=dtype, mesh=mesh)
     return LoadedModel(model=model, family=spec, hf_config=hf_config, local_dir=directory)

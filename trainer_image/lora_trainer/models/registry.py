@@ -17,8 +17,8 @@ import yaml
 from lora_trainer.errors import UserError
 from lora_trainer.models.spec import FamilySpec
 
-#: family -> (config.json model_type values, architectures). Gemma 3's multimodal
-#: `gemma3` checkpoints are detected but refused by the loader (text-only models supported).
+#: family -> (config.json model_type values, architectures). Gemma 3's multimodal `gemma3`
+#: checkpoints train their text decoder (`FamilySpec.for_checkpoint`).
 _DETECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "llama3": (("llama",), ("LlamaForCausalLM",)),
     "qwen3": (("qwen3",), ("Qwen3ForCausalLM",)),
@@ -50,6 +50,13 @@ def detect_family(hf_config: Mapping[str, Any]) -> str:
 def _target_table() -> dict[str, dict[str, str]]:
     text = resources.files("lora_trainer.models").joinpath("target_modules.yaml").read_text()
     return yaml.safe_load(text)
+
+
+def family_of_checkpoint(metadata: Mapping[str, Any]) -> FamilySpec:
+    """The FamilySpec a LoRA checkpoint's metadata names: its `family`, as the decoder of a multimodal
+    model when `multimodal` is true (absent in checkpoints of text-only models)."""
+    spec = get_family(str(metadata["family"]))
+    return spec.multimodal_view() if metadata.get("multimodal") else spec
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -13,6 +13,38 @@ from lora_trainer.models.families.common import axis_sizes
 from lora_trainer.models.mapping import LoraTarget, WeightRule, expand
 
 HFConfig = Mapping[str, Any]
+#: How the families' tables write the HF names of the decoder: `model.layers.{i}...`, `model.norm.weight`.
+_DECODER = "model."
+
+
+@dataclasses.dataclass(frozen=True)
+class NestedText:
+    """Where a multimodal checkpoint of a family keeps the text decoder the family trains.
+
+    Gemma 3 4B-27B ship as `Gemma3ForConditionalGeneration` (model_type `gemma3`), with a vision
+    tower beside the decoder. Only the decoder is trained, and three things move with it:
+    its config is config.json's `text_config`, which transformers writes sparse (the rest are
+    the text config class's defaults); its modules are named `model.language_model.*` in the HF
+    model, so PEFT's keys and vLLM's LoRA loader use that prefix; and its tensors are stored as
+    `language_model.model.*` (transformers' legacy on-disk names, which it still writes; some
+    checkpoints store the module names instead).
+    """
+
+    model_type: str
+    """config.json `model_type` of the multimodal checkpoints."""
+    config_key: str
+    """config.json key of the decoder's config."""
+    defaults: Mapping[str, Any]
+    """The decoder config class's defaults, for keys the sparse `text_config` leaves out."""
+    module_prefix: str
+    """What stands for `model.` in the decoder's HF module names."""
+    tensor_prefixes: tuple[str, ...]
+    """What stands for `model.` in the decoder's stored tensor names, the usual first."""
+
+
+def _renamed(name: str, prefix: str) -> str:
+    assert name.startswith(_DECODER), name
+    return prefix + name[len(_DECODER) :]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +70,41 @@ class FamilySpec:
     """LoRA-targetable projections."""
     auto_target_regex: str
     """The `auto` targetModules regex (from target_modules.yaml): all attention and MLP projections."""
+    nested_text: NestedText | None = None
+    """Multimodal checkpoints whose text decoder this family trains (None: text-only checkpoints only)."""
+    multimodal: bool = False
+    """True for `multimodal_view()`: the HF names are those of the decoder inside a multimodal model."""
+    decoder_tensors: str = _DECODER
+    """The prefix of the decoder's stored tensor names; a multimodal checkpoint's others are its vision side."""
+
+    def for_checkpoint(self, hf_config: HFConfig, tensor_keys: Iterable[str] = ()) -> tuple[FamilySpec, dict[str, Any]]:
+        """(the spec with this checkpoint's HF names, the decoder's config): what loading and conversion use.
+
+        A text-only checkpoint gets this spec and its own config.json; a multimodal one the
+        `multimodal_view` (its tensor names as `tensor_keys` store them) and the full `text_config`.
+        """
+        nested = self.nested_text
+        if nested is None or hf_config.get("model_type") != nested.model_type:
+            return self, dict(hf_config)
+        keys = list(tensor_keys)
+        prefix = next((p for p in nested.tensor_prefixes if any(k.startswith(p) for k in keys)), nested.tensor_prefixes[0])
+        return self.multimodal_view(prefix), {**nested.defaults, **(hf_config.get(nested.config_key) or {})}
+
+    def multimodal_view(self, tensor_prefix: str | None = None) -> FamilySpec:
+        """This family with the HF names of its decoder inside a multimodal checkpoint (`nested_text`)."""
+        nested = self.nested_text
+        if nested is None:
+            raise ValueError(f"family {self.name} has no multimodal checkpoints")
+        if self.multimodal:
+            return self
+        prefix = tensor_prefix or nested.tensor_prefixes[0]
+        weights = {rule: dataclasses.replace(rule, hf=_renamed(rule.hf, prefix)) for rule in self.weights}
+        targets = tuple(
+            dataclasses.replace(t, hf=_renamed(t.hf, nested.module_prefix), weight=weights[t.weight]) for t in self.lora_targets
+        )
+        return dataclasses.replace(
+            self, weights=tuple(weights.values()), lora_targets=targets, multimodal=True, decoder_tensors=prefix
+        )
 
     def num_layers(self, hf_config: HFConfig) -> int:
         return int(hf_config["num_hidden_layers"])

@@ -1,13 +1,18 @@
-"""Gemma 3 (text): the HF <-> NNX weight and LoRA tables (the model itself: gemma3_model.py).
+"""Gemma 3: the HF <-> NNX weight and LoRA tables (the model itself: gemma3_model.py).
 
 K and V map to `attn/kv_einsum/k_proj` and `attn/kv_einsum/v_proj`: gemma3_model.py splits
 Tunix's fused `kv_einsum` so each maps to PEFT one to one.
+
+Text-only checkpoints (1B, 270M: `Gemma3ForCausalLM`) are the tables as written; the
+multimodal ones (4B-27B: `Gemma3ForConditionalGeneration`) train their text decoder, under
+the names `NESTED_TEXT` gives (see `FamilySpec.multimodal_view`).
 """
 
 from __future__ import annotations
 
 from lora_trainer.models.families.common import lazy_build
 from lora_trainer.models.mapping import LoraTarget, WeightRule
+from lora_trainer.models.spec import NestedText
 
 _L = "model.layers.{i}"
 Q = WeightRule(f"{_L}.self_attn.q_proj.weight", "layers/{i}/attn/q_einsum/w", "(n h) d", "n d h")
@@ -46,8 +51,49 @@ LORA_TARGETS = (
     LoraTarget("layers/{i}/mlp/down_proj", f"{_L}.mlp.down_proj", DOWN),
 )
 
+#: transformers' `Gemma3TextConfig` defaults, in the config.json fields of transformers 4.50, which
+#: wrote the released multimodal checkpoints' sparse `text_config` (e.g. 4B: hidden size, MLP
+#: size, layers, sliding window and the global layers' linear rope scaling; nothing else).
+#: `layer_types` is left out: it follows from the layer count and `sliding_window_pattern`.
+#: tests/trainer/test_models.py checks these against the installed transformers.
+TEXT_DEFAULTS = {
+    "model_type": "gemma3_text",
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+}
+
+NESTED_TEXT = NestedText(
+    model_type="gemma3",
+    config_key="text_config",
+    defaults=TEXT_DEFAULTS,
+    module_prefix="model.language_model.",
+    tensor_prefixes=("language_model.model.", "model.language_model."),
+)
+
 SPEC_ARGS = dict(
     build=lazy_build("lora_trainer.models.families.gemma3_model"),
     weights=WEIGHTS,
     lora_targets=LORA_TARGETS,
+    nested_text=NESTED_TEXT,
 )

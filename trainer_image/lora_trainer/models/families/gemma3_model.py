@@ -123,10 +123,7 @@ def _query_norm(hf_config: Mapping[str, Any]) -> Norm:
 def tunix_config(hf_config: Mapping[str, Any], dtype: jnp.dtype = jnp.float32) -> tunix_gemma3.ModelConfig:
     """Tunix ModelConfig with every hyperparameter from config.json (per-layer rope is set in `build`)."""
     if hf_config.get("model_type") == "gemma3":
-        raise UserError(
-            "config.json has model_type gemma3 (the multimodal Gemma3ForConditionalGeneration); only text-only "
-            "Gemma 3 checkpoints (model_type gemma3_text, Gemma3ForCausalLM) are supported"
-        )
+        raise AssertionError("a multimodal config.json: build the decoder from FamilySpec.for_checkpoint's text config")
     require(hf_config, "gemma3", "hidden_activation", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh")
     require(hf_config, "gemma3", "rms_norm_eps", (1e-6,), 1e-6)
     require(hf_config, "gemma3", "final_logit_softcapping", (None,), None)
