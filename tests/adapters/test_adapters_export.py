@@ -5,12 +5,12 @@ export loaded by `transformers` alone gives them too."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hf_side import FAMILIES, TOKENS, hf_logits
 from safetensors.numpy import load_file
+from training import STEPS, train_adapter
 
 from lora_trainer import cli, exit_codes
 from lora_trainer.adapters.export import export_checkpoint
@@ -18,31 +18,9 @@ from lora_trainer.adapters.logits import jax_logits
 from lora_trainer.adapters.merge import INDEX_FILE
 from lora_trainer.adapters.peft_format import CONFIG_NAME, WEIGHTS_NAME
 from lora_trainer.checkpoint import latest_committed_step
-from lora_trainer.config import TrainConfig
 from lora_trainer.errors import UserError
-from lora_trainer.train import run_training
 
 pytestmark = pytest.mark.slow
-
-STEPS = 3
-
-
-def _train(base: Path, tmp: Path) -> str:
-    """Train a rank-4 adapter on every projection for a few steps; returns the checkpoint root."""
-    rows = [{"text": f"the quick brown fox {i} jumps over the lazy dog {i * 7}"} for i in range(8)]
-    (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = TrainConfig.model_validate(
-        {
-            "model": {"source": str(base), "dtype": "float32"},
-            "dataset": {"train": str(tmp / "train.jsonl"), "format": "text", "maxSeqLen": 16},
-            "lora": {"rank": 4, "alpha": 8.0},
-            # A high learning rate so that B moves far from zero in a few steps.
-            "training": {"steps": STEPS, "globalBatchSize": 2, "learningRate": 0.05, "schedule": "constant", "checkpointEvery": 1},
-            "output": {"uri": str(tmp / "run")},
-        }
-    )
-    return str(run_training(cfg).checkpoint_root)
-
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def exported(request, tiny_base, tmp_path_factory):
@@ -50,7 +28,7 @@ def exported(request, tiny_base, tmp_path_factory):
     family = request.param
     base = tiny_base(family)
     tmp = tmp_path_factory.mktemp(f"export-{family}")
-    root = _train(base, tmp)
+    root = train_adapter(base, tmp)
     assert latest_committed_step(root) == STEPS
     export_checkpoint(root, str(tmp / "hf-adapter"))
     assert cli.main(["export", "--checkpoint", root, "--out", str(tmp / "merged"), "--merged"]) == exit_codes.OK

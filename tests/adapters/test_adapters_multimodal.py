@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hf_side import TOKENS, hf_logits, make_peft_adapter
 from safetensors import safe_open
+from training import train_adapter
 
 from lora_trainer.adapters.convert import convert
 from lora_trainer.adapters.export import export_checkpoint
@@ -19,12 +20,10 @@ from lora_trainer.adapters.logits import jax_logits
 from lora_trainer.adapters.merge import INDEX_FILE
 from lora_trainer.adapters.peft_format import CONFIG_NAME
 from lora_trainer.checkpoint import read_lora
-from lora_trainer.config import TrainConfig
 from lora_trainer.models import get_family
 from lora_trainer.models.families.gemma3 import TEXT_DEFAULTS
 from lora_trainer.models.loading import build_abstract
 from lora_trainer.tiny_models import make_tiny_hf_model
-from lora_trainer.train import run_training
 
 KIND = "gemma3-multimodal"
 #: The decoder's projections, as PEFT should see them: inside `model.language_model`, never the vision tower.
@@ -70,20 +69,8 @@ def base(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(base, tmp_path_factory) -> str:
-    """The checkpoint root of a rank-4 adapter trained for 3 steps on the multimodal base."""
-    tmp = tmp_path_factory.mktemp("gemma3-mm-train")
-    rows = [{"text": f"the quick brown fox {i} jumps over the lazy dog {i * 7}"} for i in range(8)]
-    (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = TrainConfig.model_validate(
-        {
-            "model": {"source": str(base), "dtype": "float32"},
-            "dataset": {"train": str(tmp / "train.jsonl"), "format": "text", "maxSeqLen": 16},
-            "lora": {"rank": 4, "alpha": 8.0},
-            "training": {"steps": 3, "globalBatchSize": 2, "learningRate": 0.05, "schedule": "constant", "checkpointEvery": 3},
-            "output": {"uri": str(tmp / "run")},
-        }
-    )
-    return str(run_training(cfg).checkpoint_root)
+    """The checkpoint root of a rank-4 adapter trained on the multimodal base."""
+    return train_adapter(base, tmp_path_factory.mktemp("gemma3-mm-train"))
 
 
 def test_checkpoint_stores_the_decoder_under_its_legacy_names(base):

@@ -9,6 +9,7 @@ cast back to each weight's stored dtype.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Mapping
@@ -19,13 +20,11 @@ from safetensors.numpy import save_file
 
 from lora_trainer.adapters.peft_format import PeftLoraAdapter
 from lora_trainer.errors import UserError
+from lora_trainer.models.registry import FAMILIES, get_family
 from lora_trainer.models.safetensors_io import INDEX_FILE, SafetensorsCheckpoint
 
 #: Shard size of the merged output (transformers' own default is 5 GB; smaller shards upload in parallel).
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
-#: Module-name prefix -> the prefix transformers stores those modules' tensors under: a multimodal
-#: model's decoder (`model.language_model.*`) is saved as `language_model.model.*` (renamed on load).
-_STORED_PREFIXES = {"model.language_model.": "language_model.model."}
 #: Files of the base checkpoint that are weights (never copied as-is into the merged output).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 
@@ -83,14 +82,22 @@ class _ShardWriter:
         (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
+@functools.cache
+def _stored_prefixes() -> tuple[tuple[str, str], ...]:
+    """(module-name prefix, another prefix its tensors are stored under) of the families' multimodal
+    checkpoints (`NestedText`): e.g. Gemma 3's decoder `model.language_model.*`, saved as `language_model.model.*`."""
+    nested = [n for n in (get_family(f).nested_text for f in FAMILIES) if n is not None]
+    return tuple((n.module_prefix, p) for n in nested for p in n.tensor_prefixes if p != n.module_prefix)
+
+
 def stored_weight_key(module: str, keys: set[str]) -> str:
     """The key of an HF module's weight in a checkpoint holding `keys`: `<module>.weight`, or its
-    stored legacy name (`_STORED_PREFIXES`) when only that exists."""
+    stored name under another prefix (`_stored_prefixes`) when only that exists."""
     key = f"{module}.weight"
-    for prefix, stored in _STORED_PREFIXES.items():
-        legacy = stored + key[len(prefix) :]
-        if key.startswith(prefix) and key not in keys and legacy in keys:
-            return legacy
+    for prefix, stored in _stored_prefixes():
+        other = stored + key[len(prefix) :]
+        if key.startswith(prefix) and key not in keys and other in keys:
+            return other
     return key
 
 

@@ -55,7 +55,7 @@ LORA_TARGETS = (
 #: wrote the released multimodal checkpoints' sparse `text_config` (e.g. 4B: hidden size, MLP
 #: size, layers, sliding window and the global layers' linear rope scaling; nothing else).
 #: `layer_types` is left out: it follows from the layer count and `sliding_window_pattern`.
-#: tests/trainer/test_models.py checks these against the installed transformers.
+#: tests/adapters/test_adapters_multimodal.py checks these against the installed transformers.
 TEXT_DEFAULTS = {
     "model_type": "gemma3_text",
     "vocab_size": 262_208,
