@@ -5,7 +5,8 @@ vocab 8192, random weights (written as an HF checkpoint by `tiny_models` and loa
 trainer's own loader), base in float32 and in bfloat16 (the trainer's default; float32 LoRA
 params either way). Batch 8 x 256 tokens, LoRA rank 16 (alpha 32) on all seven projections,
 AdamW. Per dtype, measured round-robin (one step of each per round, `--steps` rounds after warm-up), median;
-the trainer-vs-torch ratio is the median of the per-round ratios (each pair ran back to back):
+the trainer-vs-torch ratio is the median of the per-round ratios (each pair ran back to back),
+with the ratio of medians and that of each side's fastest round beside it:
   - trainer:  the production step, `train.make_trainer(...).train([batch])` (Tunix PeftTrainer);
   - raw lora: the same loss and LoRA-only gradient in a bare `nnx.jit` step (Tunix's overhead);
   - full ft:  every parameter trained, bare `nnx.jit` step (the fraction's denominator);
@@ -247,7 +248,8 @@ def _subsection(times: dict[str, list[float]], dtype: str) -> str:
 
 Trainer vs torch+peft: **{ratio:.2f}x** (target >= 1.5: {met}): the median of the {len(paired)} rounds'
 ratios (torch's step / the trainer's, each pair back to back), which ranged {paired[0]:.2f}x-{paired[-1]:.2f}x;
-the ratio of the two medians above is {r["torch"] / r["trainer"]:.2f}x. LoRA step / full fine-tune
+the ratio of the two medians above is {r["torch"] / r["trainer"]:.2f}x, of each side's fastest round
+(its least disturbed: {min(times["torch"]):.3f} s against {min(times["trainer"]):.3f} s) {min(times["torch"]) / min(times["trainer"]):.2f}x. LoRA step / full fine-tune
 step: **{r["trainer"] / r["full ft"]:.2f}** in time{full_note}, **{FLOPS["raw lora"] / FLOPS["full ft"]:.2f}** in FLOPs (physical floor ~0.67).
 Tunix's per-step overhead over a bare jitted step: {r["trainer"] - r["raw lora"]:+.3f} s. The trainer's step
 compiled {_compiles()} time(s) in the run.
