@@ -115,10 +115,11 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-#: Multimodal kinds: Gemma 3 4B-27B's layout (`Gemma3ForConditionalGeneration`: a SigLIP vision
-#: tower, a projector and the family's decoder as `text_config`), the vision side tiny too.
-MULTIMODAL: dict[str, dict[str, Any]] = {
-    "gemma3-multimodal": {
+#: Multimodal kinds: kind -> (the decoder's family, the config.json fields around its `text_config`).
+#: Gemma 3 4B-27B's layout (`Gemma3ForConditionalGeneration`: a SigLIP vision tower, a projector
+#: and the family's decoder as `text_config`), the vision side tiny too.
+MULTIMODAL: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma3-multimodal": ("gemma3", {
         "model_type": "gemma3",
         "architectures": ["Gemma3ForConditionalGeneration"],
         "vision_config": {
@@ -135,8 +136,13 @@ MULTIMODAL: dict[str, dict[str, Any]] = {
         "boi_token_index": 268,
         "eoi_token_index": 269,
         "image_token_index": 270,
-    }
+    }),
 }
+
+
+def _decoder_family(kind: str) -> str:
+    """The family of a tiny model kind's decoder: the kind itself, or a `MULTIMODAL` kind's decoder."""
+    return MULTIMODAL[kind][0] if kind in MULTIMODAL else kind
 
 
 def tiny_config_dict(family: str, **overrides: Any) -> dict[str, Any]:
@@ -145,9 +151,10 @@ def tiny_config_dict(family: str, **overrides: Any) -> dict[str, Any]:
     For a `MULTIMODAL` kind, `overrides` apply to the decoder's `text_config`.
     """
     if family in MULTIMODAL:
-        text = tiny_config_dict("gemma3", **overrides)
+        decoder, outer = MULTIMODAL[family]
+        text = tiny_config_dict(decoder, **overrides)
         del text["architectures"]
-        return {**MULTIMODAL[family], "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
+        return {**outer, "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
     if family not in FAMILY_CONFIGS:
         raise ValueError(f"no tiny model for family {family!r}; known: {sorted(FAMILY_CONFIGS) + sorted(MULTIMODAL)}")
     cfg = {**_COMMON, **FAMILY_CONFIGS[family], **overrides}
@@ -196,7 +203,7 @@ def _hf_model(family: str, cfg: dict[str, Any], seed: int) -> Any:
             if name.endswith("norm.weight"):
                 # Non-trivial norm scales catch a missing or doubled `1 +` and swapped norms.
                 # Gemma stores w of a `(1 + w)` scale, the others the scale itself.
-                offset = 0.0 if family.startswith("gemma3") else 1.0
+                offset = 0.0 if _decoder_family(family) == "gemma3" else 1.0
                 p.copy_(offset + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
