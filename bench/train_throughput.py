@@ -216,6 +216,7 @@ def _subsection(times: dict[str, list[float]], dtype: str) -> str:
     """One dtype's table and ratios (FLOPS and TRAINER hold that dtype's run)."""
     r = _medians(times)
     paired = paired_ratios(times["torch"], times["trainer"])
+    fastest_torch, fastest_trainer = min(times["torch"]), min(times["trainer"])
     tok = BATCH * SEQ
     mm_flops = 2.0 * MATMUL[0] * MATMUL[1] * MATMUL[2]
     torch_name = "torch 2.13 + transformers + peft LoRA step" + (" (autocast)" if dtype != "float32" else "")
@@ -249,7 +250,7 @@ def _subsection(times: dict[str, list[float]], dtype: str) -> str:
 Trainer vs torch+peft: **{ratio:.2f}x** (target >= 1.5: {met}): the median of the {len(paired)} rounds'
 ratios (torch's step / the trainer's, each pair back to back), which ranged {paired[0]:.2f}x-{paired[-1]:.2f}x;
 the ratio of the two medians above is {r["torch"] / r["trainer"]:.2f}x, of each side's fastest round
-(its least disturbed: {min(times["torch"]):.3f} s against {min(times["trainer"]):.3f} s) {min(times["torch"]) / min(times["trainer"]):.2f}x. LoRA step / full fine-tune
+(its least disturbed: {fastest_torch:.3f} s against {fastest_trainer:.3f} s) {fastest_torch / fastest_trainer:.2f}x. LoRA step / full fine-tune
 step: **{r["trainer"] / r["full ft"]:.2f}** in time{full_note}, **{FLOPS["raw lora"] / FLOPS["full ft"]:.2f}** in FLOPs (physical floor ~0.67).
 Tunix's per-step overhead over a bare jitted step: {r["trainer"] - r["raw lora"]:+.3f} s. The trainer's step
 compiled {_compiles()} time(s) in the run.
