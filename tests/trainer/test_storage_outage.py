@@ -7,9 +7,9 @@ retry deadline (shortened here) plus shutdown, naming the URI. Then the emulator
 the same data: only the complete checkpoint counts, and a restarted trainer resumes from it.
 
 The second run saves no checkpoint while the outage starts, so the fault hits google-cloud-storage
-(progress.json), whose deadline this repository sets. A save in flight would instead wait out
-TensorStore's own retries (up to 32 with backoff to 32 s: about a quarter of an hour), which only
-lora_trainer.checkpoint could shorten.
+(progress.json). A save in flight meets it in TensorStore (Orbax's array data), whose own retries
+(32, backoff to 32 s: about a quarter of an hour) lora_trainer.checkpoint bounds by the same
+deadline: a separate test cuts TensorStore alone off from storage in the middle of a save.
 """
 
 from __future__ import annotations
@@ -120,6 +120,50 @@ def test_storage_outage_exits_retriable_promptly_then_resumes(tmp_path):
         assert "resuming from step 2" in text and progress_lines(tmp_path / "resumed.log")[-1]["step"] == 3
     finally:
         emulator.stop()
+
+
+#: A checkpoint save in its own process; prints how it ended as one JSON line.
+_SAVE = """
+import json, time, numpy as np
+from lora_trainer import checkpoint
+root = "%s/checkpoints"
+meta = {"family": "llama3", "baseModel": "m", "rank": 2, "alpha": 4.0, "dropout": 0.0,
+        "targetModules": ".*/q_proj", "quantization": None, "modulePaths": ["layers/0/attn/q_proj"]}
+tree = {"layers/0/attn/q_proj": {"w_lora_a": np.ones((8, 2), np.float32), "w_lora_b": np.ones((2, 8), np.float32)}}
+start, error = time.monotonic(), None
+try:
+    checkpoint.write_lora(root, 1, tree, meta)
+except Exception as e:
+    error = f"{type(e).__name__}: {e}"
+took = time.monotonic() - start
+print(json.dumps({"error": error, "seconds": took, "committed": checkpoint.committed_steps(root)}))
+""" % RUN
+
+
+def test_a_save_whose_array_writes_cannot_reach_storage_fails_retriable_within_the_deadline():
+    """gcsfs (Orbax's directories) reaches the bucket, TensorStore (the arrays) finds nothing listening.
+
+    Without the bound TensorStore would keep retrying for about a quarter of an hour (the
+    subprocess would time out); with it the save fails as retriable about when the deadline
+    says, and no step looks committed.
+    """
+    emulator = start_emulator(bucket=BUCKET)
+    try:
+        env = trainer_env(**{**ENV, **emulator.env, "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{free_port()}"})
+        proc = subprocess.run([sys.executable, "-c", _SAVE], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    finally:
+        emulator.stop()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["error"] and result["error"].startswith("RetriableError: storage fault while accessing checkpoints at gs://"), result
+    assert "retry attempts failed" in result["error"]
+    assert result["seconds"] < EXIT_WITHIN_S, result
+    assert result["committed"] == []
+
+
+@pytest.mark.parametrize("deadline, attempts", [(1, 1), (5, 3), (120, 8), (900, 33)])
+def test_tensorstore_gets_the_fewest_attempts_whose_backoff_covers_the_deadline(deadline, attempts):
+    assert storage.tensorstore_gcs_retries(deadline) == {"max_retries": attempts, "initial_delay": "1s", "max_delay": "32s"}
 
 
 @pytest.fixture

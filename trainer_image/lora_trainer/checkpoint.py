@@ -28,6 +28,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from lora_trainer import storage
 from lora_trainer.errors import RetriableError, UserError, is_device_oom
@@ -58,12 +59,36 @@ def _path(uri: str) -> epath.Path:
 
 
 #: Markers of a transient fault in errors TensorStore (ValueError) and gcsfs raise for gs:// I/O.
-_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "HTTP response code: 5", "HTTP response code: 429", "Connection reset", "timed out")
+#: TensorStore reports an endpoint it could not reach as ABORTED "All N retry attempts failed".
+_TRANSIENT = (
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "RESOURCE_EXHAUSTED",
+    "HTTP response code: 5",
+    "HTTP response code: 429",
+    "Connection reset",
+    "timed out",
+    "retry attempts failed",
+)
+
+
+def _bound_tensorstore_retries() -> None:
+    """Give every TensorStore context Orbax builds from now on the storage retry deadline.
+
+    Orbax 0.12 builds its TensorStore contexts itself, each a copy of the two module-level
+    dicts set here, and has no parameter for them; see `storage.tensorstore_gcs_retries`.
+    Set again on every Orbax call because the deadline is read from the environment per call.
+    """
+    retries = storage.tensorstore_gcs_retries(storage.retry_deadline())
+    for context in (ts_utils._BASE_TS_CONTEXT, ts_utils._DEFAULT_OCDBT_TS_CONTEXT):
+        context["gcs_request_retries"] = retries
 
 
 @contextlib.contextmanager
 def _storage_faults(uri: str) -> Iterator[None]:
-    """Turn storage outages under Orbax into RetriableError (the JobSet restarts, the run resumes)."""
+    """Turn storage outages under Orbax into RetriableError (the JobSet restarts, the run resumes),
+    after bounding how long TensorStore retries one (`_bound_tensorstore_retries`)."""
+    _bound_tensorstore_retries()
     try:
         yield
     except (ConnectionError, TimeoutError) as e:
