@@ -40,6 +40,7 @@ from tunix.sft import peft_trainer
 from lora_trainer import checkpoint, data, distributed, host_memory, schedule, storage
 from lora_trainer import metrics as mfu_metrics
 from lora_trainer.config import TrainConfig, TrainingSpec
+from lora_trainer.cross_entropy import token_nll
 from lora_trainer.errors import RetriableError, UserError
 from lora_trainer.lora import apply_lora, lora_state, resolve_target_regex, set_lora_state
 from lora_trainer.lora_provider import no_lora_dropout
@@ -107,12 +108,10 @@ def lm_loss(
     non-matmul costs of a step on the benchmark model.
     """
     logits, _ = model(input_tokens, positions, None, attention_mask)
-    logits = logits.astype(jnp.float32)
     targets = jnp.roll(input_tokens, -1, axis=1)
     weight = (input_mask[:, 1:] > 0) & (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
     weight = jnp.pad(weight, ((0, 0), (0, 1))).astype(jnp.float32)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
+    nll = token_nll(logits, targets)  # float32, from the logits in their own dtype (see cross_entropy)
     n = weight.sum()
     loss = (nll * weight).sum() / jnp.maximum(n, 1.0)
     return loss, {"loss": loss, "target_tokens": n, "tokens": (segment_ids > 0).sum()}
