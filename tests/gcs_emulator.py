@@ -7,9 +7,9 @@ endpoint setting, so tests run the production code path unchanged.
 
 Use the `gcs_bucket` fixture (registered for every test by tests/conftest.py); it yields
 the bucket name. Give each test its own prefix (e.g. `gs://{bucket}/{test name}/`) since
-the server is shared by the session. Subprocesses inherit the environment. A test that must
-stop or restart its server (an outage) starts its own with `start_emulator` and passes
-`Emulator.env` to its subprocesses.
+the server is shared by the session. Subprocesses inherit the environment. A test that needs
+its own server starts one with `start_emulator` and passes `Emulator.env` to its subprocesses;
+one that needs an outage puts a `Gate` in front of it and passes `Gate.env` instead.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -89,37 +90,24 @@ class Emulator:
     def env(self) -> dict[str, str]:
         return emulator_env(self.port)
 
-    def kill(self) -> None:
-        """SIGKILL: a real outage (connections refused from now on), nothing flushed."""
-        self.proc.kill()
-        self.proc.wait()
-
     def stop(self) -> None:
         """Terminate politely, then kill."""
         self.proc.terminate()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.kill()
+            self.proc.kill()
+            self.proc.wait()
 
 
-def start_emulator(*, bucket: str = BUCKET, data_dir: Path | None = None, port: int | None = None) -> Emulator:
-    """A serving emulator with `bucket` created: in memory, or stored under `data_dir`.
-
-    Why `data_dir`: an emulator started again on the same directory serves the same objects,
-    so a test can end an outage and show that the run resumes.
-    """
+def start_emulator(*, bucket: str = BUCKET, port: int | None = None) -> Emulator:
+    """A serving in-memory emulator with `bucket` created."""
     port = port or free_port()
-    cmd = [_executable(), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket", bucket]
-    env = None
-    if data_dir is None:
-        cmd.append("--in-memory")
-    else:
-        env = {**os.environ, "STORAGE_BASE": str(data_dir.resolve())}
+    cmd = [_executable(), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket", bucket, "--in-memory"]
     stderr = Path(tempfile.mkstemp(prefix="gcs-emulator-", suffix=".log")[1])
     atexit.register(stderr.unlink, missing_ok=True)
     with stderr.open("wb") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
     emulator = Emulator(proc, port)
     try:
         _wait_ready(emulator.env["STORAGE_EMULATOR_HOST"], proc, stderr)
@@ -127,6 +115,77 @@ def start_emulator(*, bucket: str = BUCKET, data_dir: Path | None = None, port: 
         emulator.stop()
         raise
     return emulator
+
+
+class Gate:
+    """A loopback TCP forwarder in front of a server: `cut()` is a storage outage on demand.
+
+    Why not kill the server instead: gcp-storage-emulator rewrites its whole object index
+    (`.meta`, JSON) in place on every write, so a server killed mid-write leaves it truncated and
+    cannot start again on its data; real GCS loses nothing in an outage. Behind a gate the server
+    and its objects live on; clients see their open connections reset and every new one refused
+    (the gate's port is closed), which is what a dead endpoint looks like to them.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)  # so the accept loop sees `cut` promptly
+        self.port = int(self._listener.getsockname()[1])
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._cut = threading.Event()
+        threading.Thread(target=self._accept, name=f"gate-{self.port}", daemon=True).start()
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment that points every GCS client at the server through this gate."""
+        return emulator_env(self.port)
+
+    def cut(self) -> None:
+        """From now on connections to the gate are refused; open ones are reset."""
+        self._cut.set()
+        self._listener.close()
+        with self._lock:
+            for sock in self._open:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            self._open.clear()
+
+    def _accept(self) -> None:
+        while not self._cut.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed by `cut`
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self._target))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._cut.is_set():
+                    client.close()
+                    upstream.close()
+                    return
+                self._open.update((client, upstream))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        """Copy src to dst until either end closes, then close both."""
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with self._lock:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+                self._open.discard(sock)
 
 
 @contextlib.contextmanager

@@ -1,10 +1,12 @@
-"""A real storage outage: the GCS server dies under a training run, which exits 42 promptly.
+"""A real storage outage: GCS becomes unreachable under a training run, which exits 42 promptly.
 
-The run writes to gs:// on its own gcp-storage-emulator (stored on disk, not the session's
-shared server). A first run commits checkpoint step 2; a second one resumes from it, and once
-it is training the emulator is killed. It must exit with the retriable code within the storage
-retry deadline (shortened here) plus shutdown, naming the URI. Then the emulator comes back on
-the same data: only the complete checkpoint counts, and a restarted trainer resumes from it.
+The run writes to gs:// on its own gcp-storage-emulator (not the session's shared server),
+through a `Gate` (a TCP forwarder; see tests/gcs_emulator.py for why not kill the server). A
+first run commits checkpoint step 2; a second one resumes from it, and once it is training the
+gate is cut: open connections reset, new ones refused. It must exit with the retriable code
+within the storage retry deadline (shortened here) plus shutdown, naming the URI. Then storage
+is back with the same objects: only the complete checkpoint counts, and a restarted trainer
+resumes from it.
 
 The second run saves no checkpoint while the outage starts, so the fault hits google-cloud-storage
 (progress.json). A save in flight meets it in TensorStore (Orbax's array data), whose own retries
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gcs_emulator import Emulator, free_port, start_emulator
+from gcs_emulator import Gate, free_port, start_emulator
 from trainer_fixtures import REPO, progress_lines, start_trainer, train_config, trainer_env, write_config
 
 from lora_trainer import exit_codes, storage
@@ -53,7 +55,7 @@ def _wait_for_step(proc: subprocess.Popen[bytes], log: Path, step: int, timeout:
     pytest.fail(f"trainer did not reach step {step} within {timeout}s")
 
 
-def _steps(emulator: Emulator) -> dict[str, list[int]]:
+def _steps(endpoint: dict[str, str]) -> dict[str, list[int]]:
     """Step directories and committed steps under the run's checkpoints, each committed step read in full."""
     script = (
         "import json, sys; from lora_trainer import checkpoint, storage; root = sys.argv[1]; "
@@ -66,15 +68,16 @@ def _steps(emulator: Emulator) -> dict[str, list[int]]:
         text=True,
         timeout=120,
         check=True,
-        env=trainer_env(**ENV, **emulator.env),
+        env=trainer_env(**ENV, **endpoint),
         cwd=REPO,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _run(cfg: dict[str, Any], name: str, tmp_path: Path, emulator: Emulator) -> tuple[subprocess.Popen[bytes], Path]:
+def _run(cfg: dict[str, Any], name: str, tmp_path: Path, endpoint: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start a trainer on `cfg` whose GCS clients use `endpoint` (an emulator's or a gate's env)."""
     log = tmp_path / f"{name}.log"
-    return start_trainer(write_config(tmp_path / f"{name}.json", cfg), log, **ENV, **emulator.env), log
+    return start_trainer(write_config(tmp_path / f"{name}.json", cfg), log, **ENV, **endpoint), log
 
 
 def _finish(proc: subprocess.Popen[bytes], log: Path) -> str:
@@ -84,21 +87,21 @@ def _finish(proc: subprocess.Popen[bytes], log: Path) -> str:
 
 @pytest.mark.slow
 def test_storage_outage_exits_retriable_promptly_then_resumes(tmp_path):
-    data_dir = tmp_path / "gcs"
-    emulator = start_emulator(bucket=BUCKET, data_dir=data_dir)
+    emulator = start_emulator(bucket=BUCKET)
     try:
         # A committed checkpoint at step 2, then a long run resuming from it that saves no more:
         # the outage then hits the run's own gs:// writes (progress.json), not a checkpoint save.
         cfg = train_config(tmp_path, RUN, steps=2, checkpointEvery=2, logEvery=1)
-        _finish(*_run(cfg, "first", tmp_path, emulator))
+        _finish(*_run(cfg, "first", tmp_path, emulator.env))
         long_run = {**cfg, "training": {**cfg["training"], "steps": 10_000, "checkpointEvery": 10_000}}
-        proc, log = _run(long_run, "outage", tmp_path, emulator)
+        gate = Gate(emulator.port)
+        proc, log = _run(long_run, "outage", tmp_path, gate.env)
         try:
             _wait_for_step(proc, log, 4)
-            emulator.kill()
-            killed = time.monotonic()
+            gate.cut()
+            cut = time.monotonic()
             code = proc.wait(timeout=EXIT_WITHIN_S)
-            took = time.monotonic() - killed
+            took = time.monotonic() - cut
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -111,12 +114,10 @@ def test_storage_outage_exits_retriable_promptly_then_resumes(tmp_path):
         assert f"(retriable, exit {exit_codes.RETRIABLE}:" in final
         print(f"exit {code} {took:.1f}s after the outage: {final}")
 
-        # The storage comes back with the same objects: the checkpoint is whole, nothing half-written
-        # counts, and a restarted run resumes from it. (On a new port: the killed server's port can
-        # still be held by the connections it dropped, and the restarted run reads its endpoint anew.)
-        emulator = start_emulator(bucket=BUCKET, data_dir=data_dir)
-        assert _steps(emulator) == {"dirs": [2], "committed": [2]}
-        text = _finish(*_run({**cfg, "training": {**cfg["training"], "steps": 3}}, "resumed", tmp_path, emulator))
+        # Storage is back with the same objects: the checkpoint is whole, nothing half-written
+        # counts, and a restarted run resumes from it.
+        assert _steps(emulator.env) == {"dirs": [2], "committed": [2]}
+        text = _finish(*_run({**cfg, "training": {**cfg["training"], "steps": 3}}, "resumed", tmp_path, emulator.env))
         assert "resuming from step 2" in text and progress_lines(tmp_path / "resumed.log")[-1]["step"] == 3
     finally:
         emulator.stop()
