@@ -143,15 +143,11 @@ class Gate:
         return emulator_env(self.port)
 
     def cut(self) -> None:
-        """From now on connections to the gate are refused; open ones are reset."""
+        """From now on connections to the gate are refused; open ones are reset. Idempotent."""
         self._cut.set()
         self._listener.close()
         with self._lock:
-            for sock in self._open:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            self._open.clear()
+            self._drop(*self._open)
 
     def _accept(self) -> None:
         while not self._cut.is_set():
@@ -168,8 +164,7 @@ class Gate:
                 continue
             with self._lock:
                 if self._cut.is_set():
-                    client.close()
-                    upstream.close()
+                    self._drop(client, upstream)
                     return
                 self._open.update((client, upstream))
             for src, dst in ((client, upstream), (upstream, client)):
@@ -181,11 +176,15 @@ class Gate:
             while data := src.recv(65536):
                 dst.sendall(data)
         with self._lock:
-            for sock in (src, dst):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-                self._open.discard(sock)
+            self._drop(src, dst)
+
+    def _drop(self, *socks: socket.socket) -> None:
+        """Reset and close `socks` (shutdown wakes a pump blocked in recv on them); hold the lock."""
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+            self._open.discard(sock)
 
 
 @contextlib.contextmanager

@@ -103,6 +103,7 @@ def test_storage_outage_exits_retriable_promptly_then_resumes(tmp_path):
             code = proc.wait(timeout=EXIT_WITHIN_S)
             took = time.monotonic() - cut
         finally:
+            gate.cut()  # also when the run failed before the outage: no forwarder outlives the test
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
