@@ -346,7 +346,10 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         decorator(GROUP, VERSION, ADC, registry=registry, id="reconcile", backoff=RETRY_SECONDS)(adc_reconcile)
     kopf.on.update(GROUP, VERSION, LFT, field="spec.suspend", registry=registry, id="suspend", backoff=RETRY_SECONDS)(lft_suspend)
     kopf.timer(GROUP, VERSION, LFT, interval=settings.progress_poll_seconds, when=_running, registry=registry, id="progress")(lft_progress)
-    kopf.timer(GROUP, VERSION, LFT, interval=settings.progress_poll_seconds, when=_in_flight, registry=registry, id="resync")(lft_resync)
+    # The resync's first read waits one interval: a new run's JobSet was just created, and on a restart
+    # the JobSet watch's initial listing already syncs every run; reading at once doubles a burst's load.
+    kopf.timer(GROUP, VERSION, LFT, interval=settings.progress_poll_seconds, initial_delay=settings.progress_poll_seconds,
+               when=_in_flight, registry=registry, id="resync")(lft_resync)
     kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LFT_LABEL: kopf.PRESENT}, when=_has_status,
                   registry=registry)(jobset_event)
     kopf.on.event("batch", "v1", "jobs", labels={LFT_LABEL: kopf.PRESENT, COMPONENT_LABEL: "export"}, registry=registry)(export_job_event)
