@@ -16,7 +16,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed
 
-test: install
+# vLLM's LoRA loader for the adapter tests, beside the venv's packages (not in them): installed
+# without its dependencies, which would pull a CUDA torch; see tests/adapters/vllm-requirements.txt.
+$(VENV)/.vllm-installed: tests/adapters/vllm-requirements.txt $(VENV)/.installed
+	rm -rf $(VENV)/vllm-pkgs
+	$(PIP) install --quiet --no-deps --target $(VENV)/vllm-pkgs -r tests/adapters/vllm-requirements.txt
+	touch $@
+
+test: install $(VENV)/.vllm-installed
 	$(PY) -m pytest -q
 
 crds: install

@@ -11,6 +11,7 @@ import pytest
 from hf_side import FAMILIES, TOKENS, hf_logits
 from safetensors.numpy import load_file
 from training import STEPS, train_adapter
+from vllm_side import load_in_vllm
 
 from lora_trainer import cli, exit_codes
 from lora_trainer.adapters.export import export_checkpoint
@@ -40,6 +41,29 @@ def test_exported_adapter_in_peft_matches_jax(exported):
     expected = hf_logits(base, adapter_dir=adapter)
     assert np.abs(expected - hf_logits(base)).max() > 1e-2, "training must have moved the adapter away from zero"
     np.testing.assert_allclose(jax_with_adapter, expected, atol=1e-4, rtol=0, err_msg=family)
+
+
+def test_exported_adapter_loads_in_vllm(exported):
+    """vLLM's own loader (PEFTHelper, validate_legal, LoRAModel.from_local_checkpoint) takes every
+    tensor as written, for the vLLM model class of the family's architecture."""
+    family, base, _root, adapter, _merged, _ = exported
+    got = load_in_vllm(adapter, base)
+    assert got["ok"], (family, got)
+    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    assert (got["modules"], got["tensors"], got["rank"], got["scaling"]) == (7 * layers, 2 * 7 * layers, 4, 2.0), got
+
+
+def test_vllm_check_rejects_a_misnamed_module(tiny_base, tmp_path):
+    """The check above can fail: a key vLLM's Llama has no module for is refused by vLLM itself."""
+    from hf_side import make_peft_adapter
+    from safetensors.numpy import save_file
+
+    base = tiny_base("llama3")
+    adapter = make_peft_adapter(base, tmp_path / "adapter")
+    tensors = load_file(str(adapter / WEIGHTS_NAME))
+    save_file({k.replace("q_proj", "qq_proj"): v for k, v in tensors.items()}, str(adapter / WEIGHTS_NAME))
+    got = load_in_vllm(adapter, base)
+    assert not got["ok"] and "qq_proj" in got["error"], got
 
 
 def test_merged_model_alone_matches(exported):

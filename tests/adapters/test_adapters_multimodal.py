@@ -13,6 +13,7 @@ import pytest
 from hf_side import TOKENS, hf_logits, make_peft_adapter
 from safetensors import safe_open
 from training import train_adapter
+from vllm_side import load_in_vllm
 
 from lora_trainer.adapters.convert import convert
 from lora_trainer.adapters.export import export_checkpoint
@@ -93,6 +94,14 @@ def test_trained_adapter_loads_in_peft_on_the_multimodal_model(base, trained, tm
     expected = jax_logits(str(base), TOKENS, adapter=trained)
     assert np.abs(expected - hf_logits(base)).max() > 1e-2, "training must have moved the adapter away from zero"
     np.testing.assert_allclose(hf_logits(base, adapter_dir=tmp_path / "adapter"), expected, atol=1e-4, rtol=0)
+
+
+def test_trained_adapter_loads_in_vllm(base, trained, tmp_path):
+    """vLLM's Gemma3ForConditionalGeneration maps the adapter's `model.language_model.` keys onto its
+    decoder and takes every tensor as written."""
+    export_checkpoint(trained, str(tmp_path / "adapter"))
+    got = load_in_vllm(tmp_path / "adapter", base)
+    assert got["ok"] and (got["modules"], got["tensors"]) == (2 * 7, 2 * 2 * 7), got
 
 
 def test_peft_wraps_no_vision_module(base, trained, tmp_path):
