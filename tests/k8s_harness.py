@@ -311,6 +311,19 @@ class Harness:
         assert status in (200, 201), data
         return data
 
+    async def delete(self, kind: str, name: str, namespace: str = "default") -> None:
+        """`kubectl delete`: the server marks the object; it goes once its finalizers are removed."""
+        status, data = await self._request("DELETE", PATHS[kind].format(ns=namespace) + f"/{name}")
+        assert status in (200, 202), data
+
+    async def gone(self, kind: str, name: str, namespace: str = "default", *, timeout: float = 30) -> None:
+        """Wait until the object no longer exists."""
+
+        async def probe() -> bool:
+            return await self.get(kind, name, namespace) is None
+
+        await self.wait_for(probe, timeout=timeout, what=f"{kind} {name} to be gone")
+
     async def patch_spec(self, kind: str, name: str, spec_patch: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
         """Update a CR's spec as a user would (transition rules checked, generation bumped)."""
         old = await self.get(kind, name, namespace)

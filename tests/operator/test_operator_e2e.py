@@ -98,6 +98,25 @@ async def _has_event(h: Harness, name: str, reason: str) -> bool:
     return any(e["reason"] == reason for e in await h.events_for(name))
 
 
+async def test_deleting_a_run_completes_despite_the_operators_finalizer(h):
+    """kopf puts its finalizer on every LoraFinetune (its timers need one): deleting a pending or a
+    running run must still end with the object gone, the operator removing its finalizer."""
+    finalizer = "lora-operator.dev/finalizer"
+
+    async def finalized(name: str) -> bool:
+        cr = await h.get("LoraFinetune", name)
+        return finalizer in ((cr or {}).get("metadata", {}).get("finalizers") or [])
+
+    for name, running in (("run-dp", False), ("run-dr", True)):
+        await h.create(lft(name))
+        await h.wait_for(lambda: finalized(name), what=f"{name}'s finalizer")
+        if running:
+            await h.jobset_running(name)
+            await h.wait_for_status("LoraFinetune", name, _phase("Running"))
+        await h.delete("LoraFinetune", name)
+        await h.gone("LoraFinetune", name)
+
+
 async def test_suspend_and_resume(h):
     await h.create(lft("run-c"))
     await h.wait_for_status("LoraFinetune", "run-c", _phase("Pending"))
