@@ -100,7 +100,8 @@ async def _has_event(h: Harness, name: str, reason: str) -> bool:
 
 async def test_deleting_a_run_completes_despite_the_operators_finalizer(h):
     """kopf puts its finalizer on every LoraFinetune (its timers need one): deleting a pending or a
-    running run must still end with the object gone, the operator removing its finalizer."""
+    running run must still end with the object gone, the operator removing its finalizer; an
+    AdapterConversion goes too."""
     finalizer = "lora-operator.dev/finalizer"
 
     async def finalized(name: str) -> bool:
@@ -115,6 +116,10 @@ async def test_deleting_a_run_completes_despite_the_operators_finalizer(h):
             await h.wait_for_status("LoraFinetune", name, _phase("Running"))
         await h.delete("LoraFinetune", name)
         await h.gone("LoraFinetune", name)
+    await h.create(adc("conv-d"))
+    await h.wait_for_status("AdapterConversion", "conv-d", lambda s: bool(s.get("jobName")))
+    await h.delete("AdapterConversion", "conv-d")
+    await h.gone("AdapterConversion", "conv-d")
 
 
 async def test_suspend_and_resume(h):
