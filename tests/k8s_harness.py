@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import jsonpatch
 import kmock
 import kopf
@@ -102,6 +103,20 @@ class ApiServerEmulator(kmock.KubernetesEmulator, _DirectDispatch):
     write (kopf uses it to tell its own patches from stale watch events, and as a JSON-patch
     `test` for optimistic concurrency, answered 422 when stale), `generateName`, and `uid`,
     `generation` and `creationTimestamp` on creation."""
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # The cluster-scoped Namespace list, which kopf reads when it watches chosen namespaces:
+        # KMock cannot parse its path. Answer as the API server does for the operator's account
+        # there, which the chart grants no rights on namespaces: 403, after which kopf serves
+        # exactly the namespaces it was given.
+        if raw_request.path.rstrip("/") == "/api/v1/namespaces":
+            await raw_request.read()
+            return aiohttp.web.json_response({
+                "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+                "message": 'namespaces is forbidden: User "system:serviceaccount:lora-system:lora-operator" '
+                           'cannot list resource "namespaces" in API group "" at the cluster scope',
+            }, status=403)
+        return await super().__call__(raw_request)
 
     def __iter__(self) -> Iterator[kmock.Request]:
         # KMock matches a request to its reactions by scanning the whole request history for it

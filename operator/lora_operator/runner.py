@@ -43,8 +43,14 @@ async def operate(
 ) -> None:
     """Run the operator until `stop_flag` is set (the tests and `run_operator` share this)."""
     watched = list(namespaces) or settings.watch_namespaces
+    kopf_settings = kopf.OperatorSettings()
+    # Chosen namespaces are served exactly as named. With scanning on, kopf would first list every
+    # namespace (to match patterns), which the chart's namespaced RBAC forbids, and retry that 403
+    # for ~1 min, serving nothing meanwhile. The cost: CRDs are discovered once, at start.
+    kopf_settings.scanning.disabled = bool(watched)
     await kopf.operator(
         registry=registry,
+        settings=kopf_settings,
         memo=kopf.Memo(settings=settings, kube=kube),
         standalone=True,
         clusterwide=not watched,

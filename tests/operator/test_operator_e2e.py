@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
 from k8s_harness import Harness, Rejected
+
+from lora_operator.settings import OperatorSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -120,6 +123,23 @@ async def test_deleting_a_run_completes_despite_the_operators_finalizer(h):
     await h.wait_for_status("AdapterConversion", "conv-d", lambda s: bool(s.get("jobName")))
     await h.delete("AdapterConversion", "conv-d")
     await h.gone("AdapterConversion", "conv-d")
+
+
+async def test_watch_namespaces_confine_the_operator():
+    """With `watchNamespaces` (the chart then grants namespaced Roles only) a run elsewhere is left
+    alone: no status, no JobSet; a run in a watched namespace is handled as usual."""
+    async with Harness() as h:
+        await h.start_operator(OperatorSettings(progress_poll_seconds=0.5, watch_namespaces=["team-a"]))
+        outside, inside = lft("run-out"), lft("run-in")
+        inside["metadata"]["namespace"] = "team-a"
+        await h.create(outside)
+        await h.create(inside)
+        await h.wait_for_status("LoraFinetune", "run-in", _phase("Pending"), namespace="team-a")
+        await h.wait_for(lambda: h.get("JobSet", "run-in", "team-a"), what="JobSet in team-a")
+        await asyncio.sleep(1)  # the other run was created first; give a cluster-wide watch time to show
+        assert "status" not in await h.get("LoraFinetune", "run-out")
+        assert await h.list("JobSet") == [] and await h.list("ConfigMap") == []
+        assert h.server_errors() == []
 
 
 async def test_suspend_and_resume(h):
