@@ -181,7 +181,9 @@ def lft_resync(body: kopf.Body, status: kopf.Status, memo: kopf.Memo, **_: Any) 
         _sync_export(memo.kube, cr)
         return
     jobset = memo.kube.get(JOBSET_API, "JobSet", cr["metadata"]["namespace"], status["jobSetName"])
-    if jobset is not None and jobset.get("status"):
+    if jobset is None:
+        _recreate_jobset(memo.kube, memo.settings, cr)
+    elif jobset.get("status"):
         _sync_jobset(memo.kube, memo.settings, cr, jobset)
 
 
@@ -214,12 +216,34 @@ def _write_status(kube: Kube, cr: dict[str, Any], obs: st.Observation, **fields:
 
 
 def jobset_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-    """An owned JobSet changed: map its status onto the LoraFinetune; on completion start the export."""
-    if type == "DELETED":
-        return
+    """An owned JobSet changed: map its status onto the LoraFinetune; on completion start the export;
+    deleted under a run that is still training, create it again."""
     cr = _owner_cr(memo.kube, dict(body), "LoraFinetune", LFT_LABEL)
-    if cr is not None:
+    if cr is None:
+        return
+    if type == "DELETED":
+        _recreate_jobset(memo.kube, memo.settings, cr)
+    else:
         _sync_jobset(memo.kube, memo.settings, cr, dict(body))
+
+
+def _recreate_jobset(kube: Kube, settings: OperatorSettings, cr: dict[str, Any]) -> None:
+    """A run that is still training lost its JobSet (deleted by hand, or by a cleanup): create it
+    again, as the reconcile on an operator restart would, so the run does not sit in a stale phase;
+    training resumes from the last checkpoint. A run being deleted, finished or exporting is left alone."""
+    phase = (cr.get("status") or {}).get("phase")
+    if cr["metadata"].get("deletionTimestamp") or phase not in ("Pending", "Running", "Suspended"):
+        return
+    try:
+        for manifest in render_lora_finetune(cr, settings):
+            kube.create_or_adopt(manifest)
+    except (InvalidSpec, NotOwned) as e:  # as in reconcile (the settings changed, or the name was taken)
+        reason = "InvalidSpec" if isinstance(e, InvalidSpec) else "NameConflict"
+        _write_status(kube, cr, st.Observation("Failed", reason, f"the JobSet was deleted and cannot be created again: {e}"))
+        return
+    _event("Warning", cr, reason="JobSetRecreated",
+           message=f"the JobSet was deleted while the run was {phase}; created it again, training resumes from the last "
+                   "checkpoint (to stop a run, delete or suspend the LoraFinetune)")
 
 
 def _sync_jobset(kube: Kube, settings: OperatorSettings, cr: dict[str, Any], jobset: dict[str, Any]) -> None:

@@ -125,6 +125,30 @@ async def test_deleting_a_run_completes_despite_the_operators_finalizer(h):
     await h.gone("AdapterConversion", "conv-d")
 
 
+async def test_a_deleted_jobset_of_a_training_run_is_created_again(h):
+    """Deleting a running run's JobSet by hand does not strand the run in a stale phase: the
+    operator creates it again (training resumes from its checkpoint) and says so in an event; a
+    finished run's JobSet stays deleted."""
+    await h.create(lft("run-j"))
+    await h.jobset_running("run-j")
+    await h.wait_for_status("LoraFinetune", "run-j", _phase("Running"))
+    old_uid = (await h.get("JobSet", "run-j"))["metadata"]["uid"]
+    await h.delete("JobSet", "run-j")
+
+    async def recreated() -> bool:
+        js = await h.get("JobSet", "run-j")
+        return js is not None and js["metadata"]["uid"] != old_uid
+
+    await h.wait_for(recreated, what="a new JobSet")
+    await h.wait_for(lambda: _has_event(h, "run-j", "JobSetRecreated"), what="JobSetRecreated event")
+    await h.jobset_condition("run-j", "Failed", "FailedJobs", "a trainer pod exited 3")
+    await h.wait_for_status("LoraFinetune", "run-j", _phase("Failed"))
+    await h.delete("JobSet", "run-j")
+    await h.gone("JobSet", "run-j")
+    await asyncio.sleep(1)  # two resync intervals
+    assert await h.get("JobSet", "run-j") is None
+
+
 async def test_watch_namespaces_confine_the_operator():
     """With `watchNamespaces` (the chart then grants namespaced Roles only) a run elsewhere is left
     alone: no status, no JobSet; a run in a watched namespace is handled as usual."""
