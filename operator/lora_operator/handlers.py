@@ -178,7 +178,7 @@ def lft_resync(body: kopf.Body, status: kopf.Status, memo: kopf.Memo, **_: Any) 
     change of its children."""
     cr = dict(body)
     if status.get("phase") == "Exporting":
-        _sync_export(memo.kube, cr)
+        _sync_export(memo.kube, memo.settings, cr)
         return
     jobset = memo.kube.get(JOBSET_API, "JobSet", cr["metadata"]["namespace"], status["jobSetName"])
     if jobset is None:
@@ -273,16 +273,15 @@ def _start_export(kube: Kube, cr: dict[str, Any], settings: OperatorSettings, ob
 
 
 def export_job_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-    """An export Job changed: Exporting -> Succeeded (adapterUri) or Failed (ExportFailed)."""
-    if type == "DELETED":
-        return
+    """An export Job changed: Exporting -> Succeeded (adapterUri) or Failed (ExportFailed); deleted
+    while exporting, it is created again."""
     cr = _owner_cr(memo.kube, dict(body), "LoraFinetune", LFT_LABEL)
     if cr is not None:
-        _sync_export(memo.kube, cr)
+        _sync_export(memo.kube, memo.settings, cr)
 
 
-def _sync_export(kube: Kube, cr: dict[str, Any]) -> None:
-    if (cr.get("status") or {}).get("phase") != "Exporting":
+def _sync_export(kube: Kube, settings: OperatorSettings, cr: dict[str, Any]) -> None:
+    if (cr.get("status") or {}).get("phase") != "Exporting" or cr["metadata"].get("deletionTimestamp"):
         return
     spec = parse_spec(LoraFinetuneSpec, cr)
     names = ChildNames.of(cr["metadata"]["name"])
@@ -290,7 +289,14 @@ def _sync_export(kube: Kube, cr: dict[str, Any]) -> None:
     uris = output_uris(spec)
     expected = [n for key, n in (("adapter", names.export), ("merged", names.export_merged)) if key in uris]
     jobs = [kube.get("batch/v1", "Job", ns, n) for n in expected]
-    obs = st.combine_jobs([st.observe_job(j, "export") if j else st.Observation("Pending", "ExportPending", "") for j in jobs])
+    if None in jobs:
+        # Created before the phase became Exporting, so a missing one was deleted (by hand, or by its
+        # TTL while the operator was away): export again; it rewrites the same files from the checkpoint.
+        for job in render_export_jobs(Owner.from_body(cr), spec, settings):
+            kube.create_or_adopt(job)
+        _event("Warning", cr, reason="ExportRecreated", message="an export Job was deleted before it finished; created it again")
+        return
+    obs = st.combine_jobs([st.observe_job(j, "export") for j in jobs])
     fields: dict[str, Any] = {}
     if obs.phase == "Succeeded":
         fields = {"adapterUri": uris.get("adapter"), "mergedUri": uris.get("merged")}

@@ -210,6 +210,24 @@ async def test_completion_exports_then_succeeds(h):
     await h.wait_for(lambda: _has_event(h, "run-d", "ExportSucceeded"), what="ExportSucceeded event")
 
 
+async def test_an_export_job_deleted_while_exporting_is_created_again(h):
+    await h.create(lft("run-x", output="gs://runs-bucket/run-x"))
+    await h.jobset_running("run-x")
+    await h.jobset_condition("run-x", "Completed", "AllJobsCompleted", "jobset completed successfully")
+    await h.wait_for_status("LoraFinetune", "run-x", _phase("Exporting"))
+    old_uid = (await h.wait_for(lambda: h.get("Job", "run-x-export"), what="export Job"))["metadata"]["uid"]
+    await h.delete("Job", "run-x-export")
+
+    async def recreated() -> bool:
+        job = await h.get("Job", "run-x-export")
+        return job is not None and job["metadata"]["uid"] != old_uid
+
+    await h.wait_for(recreated, what="a new export Job")
+    await h.wait_for(lambda: _has_event(h, "run-x", "ExportRecreated"), what="ExportRecreated event")
+    await h.job_finished("run-x-export")
+    await h.wait_for_status("LoraFinetune", "run-x", _phase("Succeeded"))
+
+
 async def test_merged_export_needs_both_jobs(h):
     spec = lft("run-m", output="gs://runs-bucket/run-m")
     spec["spec"]["output"]["export"] = {"hfPeft": True, "merged": True}
