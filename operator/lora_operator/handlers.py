@@ -337,12 +337,16 @@ def adc_reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: 
 
 
 def conversion_job_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-    """The conversion Job changed: report Running / Succeeded (outputUri) / Failed."""
-    if type == "DELETED":
-        return
+    """The conversion Job changed: report Running / Succeeded (outputUri) / Failed; deleted before it
+    finished, it is created again."""
     kube: Kube = memo.kube
     cr = _owner_cr(kube, dict(body), "AdapterConversion", ADC_LABEL)
     if cr is None or (cr.get("status") or {}).get("phase") in st.TERMINAL:
+        return
+    if type == "DELETED":
+        if not cr["metadata"].get("deletionTimestamp"):
+            kube.create_or_adopt(render_conversion_job(Owner.from_body(cr), parse_spec(AdapterConversionSpec, cr), memo.settings))
+            _event("Warning", cr, reason="ConversionRecreated", message="the conversion Job was deleted before it finished; created it again")
         return
     obs = st.observe_job(dict(body), "conversion")
     if obs.phase == "Failed":

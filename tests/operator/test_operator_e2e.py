@@ -284,6 +284,21 @@ async def test_adapter_conversion(h):
         await h.create(adc("bad", merged=True))
 
 
+async def test_a_conversion_job_deleted_before_it_finished_is_created_again(h):
+    await h.create(adc("conv-r"))
+    old_uid = (await h.wait_for(lambda: h.get("Job", "conv-r-convert"), what="conversion Job"))["metadata"]["uid"]
+    await h.delete("Job", "conv-r-convert")
+
+    async def recreated() -> bool:
+        job = await h.get("Job", "conv-r-convert")
+        return job is not None and job["metadata"]["uid"] != old_uid
+
+    await h.wait_for(recreated, what="a new conversion Job")
+    await h.wait_for(lambda: _has_event(h, "conv-r", "ConversionRecreated"), what="ConversionRecreated event")
+    await h.job_finished("conv-r-convert")
+    await h.wait_for_status("AdapterConversion", "conv-r", _phase("Succeeded"))
+
+
 async def test_adapter_conversion_failure_fails_with_conversion_failed(h):
     await h.create(adc("conv-bad"))
     await h.wait_for(lambda: h.get("Job", "conv-bad-convert"), what="conversion Job")
