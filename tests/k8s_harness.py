@@ -339,6 +339,15 @@ class Harness:
 
         await self.wait_for(probe, timeout=timeout, what=f"{kind} {name} to be gone")
 
+    async def replaced(self, kind: str, name: str, old_uid: str, namespace: str = "default") -> dict[str, Any]:
+        """Wait until an object of that name exists again, a new one (another uid)."""
+
+        async def probe() -> dict[str, Any] | None:
+            obj = await self.get(kind, name, namespace)
+            return obj if obj is not None and obj["metadata"]["uid"] != old_uid else None
+
+        return await self.wait_for(probe, what=f"a new {kind} {name}")
+
     async def patch_spec(self, kind: str, name: str, spec_patch: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
         """Update a CR's spec as a user would (transition rules checked, generation bumped)."""
         old = await self.get(kind, name, namespace)

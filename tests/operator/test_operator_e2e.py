@@ -135,11 +135,7 @@ async def test_a_deleted_jobset_of_a_training_run_is_created_again(h):
     old_uid = (await h.get("JobSet", "run-j"))["metadata"]["uid"]
     await h.delete("JobSet", "run-j")
 
-    async def recreated() -> bool:
-        js = await h.get("JobSet", "run-j")
-        return js is not None and js["metadata"]["uid"] != old_uid
-
-    await h.wait_for(recreated, what="a new JobSet")
+    await h.replaced("JobSet", "run-j", old_uid)
     await h.wait_for(lambda: _has_event(h, "run-j", "JobSetRecreated"), what="JobSetRecreated event")
     await h.jobset_condition("run-j", "Failed", "FailedJobs", "a trainer pod exited 3")
     await h.wait_for_status("LoraFinetune", "run-j", _phase("Failed"))
@@ -218,11 +214,7 @@ async def test_an_export_job_deleted_while_exporting_is_created_again(h):
     old_uid = (await h.wait_for(lambda: h.get("Job", "run-x-export"), what="export Job"))["metadata"]["uid"]
     await h.delete("Job", "run-x-export")
 
-    async def recreated() -> bool:
-        job = await h.get("Job", "run-x-export")
-        return job is not None and job["metadata"]["uid"] != old_uid
-
-    await h.wait_for(recreated, what="a new export Job")
+    await h.replaced("Job", "run-x-export", old_uid)
     await h.wait_for(lambda: _has_event(h, "run-x", "ExportRecreated"), what="ExportRecreated event")
     await h.job_finished("run-x-export")
     await h.wait_for_status("LoraFinetune", "run-x", _phase("Succeeded"))
@@ -289,11 +281,7 @@ async def test_a_conversion_job_deleted_before_it_finished_is_created_again(h):
     old_uid = (await h.wait_for(lambda: h.get("Job", "conv-r-convert"), what="conversion Job"))["metadata"]["uid"]
     await h.delete("Job", "conv-r-convert")
 
-    async def recreated() -> bool:
-        job = await h.get("Job", "conv-r-convert")
-        return job is not None and job["metadata"]["uid"] != old_uid
-
-    await h.wait_for(recreated, what="a new conversion Job")
+    await h.replaced("Job", "conv-r-convert", old_uid)
     await h.wait_for(lambda: _has_event(h, "conv-r", "ConversionRecreated"), what="ConversionRecreated event")
     await h.job_finished("conv-r-convert")
     await h.wait_for_status("AdapterConversion", "conv-r", _phase("Succeeded"))
