@@ -134,7 +134,6 @@ async def test_a_deleted_jobset_of_a_training_run_is_created_again(h):
     await h.wait_for_status("LoraFinetune", "run-j", _phase("Running"))
     old_uid = (await h.get("JobSet", "run-j"))["metadata"]["uid"]
     await h.delete("JobSet", "run-j")
-
     await h.replaced("JobSet", "run-j", old_uid)
     await h.wait_for(lambda: _has_event(h, "run-j", "JobSetRecreated"), what="JobSetRecreated event")
     await h.jobset_condition("run-j", "Failed", "FailedJobs", "a trainer pod exited 3")
@@ -213,7 +212,6 @@ async def test_an_export_job_deleted_while_exporting_is_created_again(h):
     await h.wait_for_status("LoraFinetune", "run-x", _phase("Exporting"))
     old_uid = (await h.wait_for(lambda: h.get("Job", "run-x-export"), what="export Job"))["metadata"]["uid"]
     await h.delete("Job", "run-x-export")
-
     await h.replaced("Job", "run-x-export", old_uid)
     await h.wait_for(lambda: _has_event(h, "run-x", "ExportRecreated"), what="ExportRecreated event")
     await h.job_finished("run-x-export")
@@ -280,7 +278,6 @@ async def test_a_conversion_job_deleted_before_it_finished_is_created_again(h):
     await h.create(adc("conv-r"))
     old_uid = (await h.wait_for(lambda: h.get("Job", "conv-r-convert"), what="conversion Job"))["metadata"]["uid"]
     await h.delete("Job", "conv-r-convert")
-
     await h.replaced("Job", "conv-r-convert", old_uid)
     await h.wait_for(lambda: _has_event(h, "conv-r", "ConversionRecreated"), what="ConversionRecreated event")
     await h.job_finished("conv-r-convert")
