@@ -103,8 +103,9 @@ def _initial_status(spec: LoraFinetuneSpec, shape: SliceShape, names: ChildNames
 def lft_reconcile(
     body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any
 ) -> None:
-    """create/resume: render and create (or adopt) the ConfigMap and the JobSet."""
-    if status.get("phase") in st.TERMINAL:
+    """create/resume: render and create (or adopt) the ConfigMap and the JobSet. Not once training
+    has finished (Exporting): its JobSet may be gone by its TTL, and a new one would train again."""
+    if status.get("phase") in (*st.TERMINAL, "Exporting"):
         return
     settings: OperatorSettings = memo.settings
     kube: Kube = memo.kube

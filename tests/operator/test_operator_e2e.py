@@ -306,6 +306,21 @@ async def test_operator_restart_keeps_exactly_one_jobset(h):
     assert [o["metadata"]["name"] for o in await h.list("ConfigMap")] == ["run-g-config"]
 
 
+async def test_a_restart_while_exporting_does_not_train_again(h):
+    """A run whose training finished needs no JobSet any more: an operator restarted after the
+    JobSet's TTL removed it finishes the export and creates no new JobSet (which would take a slice)."""
+    await h.create(lft("run-e", output="gs://runs-bucket/run-e"))
+    await h.jobset_running("run-e")
+    await h.jobset_condition("run-e", "Completed", "AllJobsCompleted", "jobset completed successfully")
+    await h.wait_for_status("LoraFinetune", "run-e", _phase("Exporting"))
+    await h.stop_operator()
+    await h.delete("JobSet", "run-e")
+    await h.start_operator()
+    await h.job_finished("run-e-export")
+    await h.wait_for_status("LoraFinetune", "run-e", _phase("Succeeded"))
+    assert await h.list("JobSet") == []
+
+
 async def test_bad_crs_fail_with_the_field_and_others_keep_running(h, caplog):
     secret_value = "hf_TOPSECRET_value_123"
     # Past the schema (the allowlist is the operator's setting, not the CRD's): refused by the operator.
