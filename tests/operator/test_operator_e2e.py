@@ -101,6 +101,14 @@ async def _has_event(h: Harness, name: str, reason: str) -> bool:
     return any(e["reason"] == reason for e in await h.events_for(name))
 
 
+async def _deleted_child_comes_back(h: Harness, kind: str, name: str, owner: str, reason: str) -> None:
+    """Delete a child by hand; the operator creates a new one (another uid) and posts `reason` on its owner."""
+    old_uid = (await h.wait_for(lambda: h.get(kind, name), what=f"{kind} {name}"))["metadata"]["uid"]
+    await h.delete(kind, name)
+    await h.replaced(kind, name, old_uid)
+    await h.wait_for(lambda: _has_event(h, owner, reason), what=f"{reason} event")
+
+
 async def test_deleting_a_run_completes_despite_the_operators_finalizer(h):
     """kopf puts its finalizer on every LoraFinetune (its timers need one): deleting a pending or a
     running run must still end with the object gone, the operator removing its finalizer; an
@@ -132,10 +140,7 @@ async def test_a_deleted_jobset_of_a_training_run_is_created_again(h):
     await h.create(lft("run-j"))
     await h.jobset_running("run-j")
     await h.wait_for_status("LoraFinetune", "run-j", _phase("Running"))
-    old_uid = (await h.get("JobSet", "run-j"))["metadata"]["uid"]
-    await h.delete("JobSet", "run-j")
-    await h.replaced("JobSet", "run-j", old_uid)
-    await h.wait_for(lambda: _has_event(h, "run-j", "JobSetRecreated"), what="JobSetRecreated event")
+    await _deleted_child_comes_back(h, "JobSet", "run-j", "run-j", "JobSetRecreated")
     await h.jobset_condition("run-j", "Failed", "FailedJobs", "a trainer pod exited 3")
     await h.wait_for_status("LoraFinetune", "run-j", _phase("Failed"))
     await h.delete("JobSet", "run-j")
@@ -210,10 +215,7 @@ async def test_an_export_job_deleted_while_exporting_is_created_again(h):
     await h.jobset_running("run-x")
     await h.jobset_condition("run-x", "Completed", "AllJobsCompleted", "jobset completed successfully")
     await h.wait_for_status("LoraFinetune", "run-x", _phase("Exporting"))
-    old_uid = (await h.wait_for(lambda: h.get("Job", "run-x-export"), what="export Job"))["metadata"]["uid"]
-    await h.delete("Job", "run-x-export")
-    await h.replaced("Job", "run-x-export", old_uid)
-    await h.wait_for(lambda: _has_event(h, "run-x", "ExportRecreated"), what="ExportRecreated event")
+    await _deleted_child_comes_back(h, "Job", "run-x-export", "run-x", "ExportRecreated")
     await h.job_finished("run-x-export")
     await h.wait_for_status("LoraFinetune", "run-x", _phase("Succeeded"))
 
@@ -276,10 +278,7 @@ async def test_adapter_conversion(h):
 
 async def test_a_conversion_job_deleted_before_it_finished_is_created_again(h):
     await h.create(adc("conv-r"))
-    old_uid = (await h.wait_for(lambda: h.get("Job", "conv-r-convert"), what="conversion Job"))["metadata"]["uid"]
-    await h.delete("Job", "conv-r-convert")
-    await h.replaced("Job", "conv-r-convert", old_uid)
-    await h.wait_for(lambda: _has_event(h, "conv-r", "ConversionRecreated"), what="ConversionRecreated event")
+    await _deleted_child_comes_back(h, "Job", "conv-r-convert", "conv-r", "ConversionRecreated")
     await h.job_finished("conv-r-convert")
     await h.wait_for_status("AdapterConversion", "conv-r", _phase("Succeeded"))
 
