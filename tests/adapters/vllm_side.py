@@ -24,7 +24,7 @@ import sys
 import types
 from pathlib import Path
 
-#: Where `make test` installs vLLM and the few pure-Python packages its loader imports.
+#: Where `make test` installs vLLM and the few small packages its loader imports.
 VLLM_PKGS = Path(sys.prefix) / "vllm-pkgs"
 
 #: architecture -> (vLLM model module, its LoRA-capable linear layers that are not packed ones).
