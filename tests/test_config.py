@@ -29,6 +29,7 @@ def test_round_trip_through_the_configmap_format(tmp_path):
         ({"training": {"globalBatchSize": 6, "gradientAccumulation": 4}}, "training"),
         ({"training": {"evalEvery": 10}}, "evalEvery"),
         ({"lora": {"rnak": 8}}, "lora.rnak"),
+        ({"training": {"seed": -1}}, "training.seed"),  # numpy's shuffle takes no negative seed
     ],
 )
 def test_bad_input_names_the_field(patch, field):

@@ -75,6 +75,57 @@ def test_chat_without_generation_markers_finds_the_same_assistant_tokens(tok):
     assert a.loss_mask.tolist() == b.loss_mask.tolist()
 
 
+#: Qwen3's rule, in the tiny tokenizer's tokens: the reply after the last user turn gets an (empty)
+#: `<think>` block, earlier replies none, so a render that stops after an earlier reply is no prefix
+#: of the whole conversation's.
+QWEN3_LIKE = (
+    "{% set ns = namespace(last_user=0) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{ '<|start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content | trim + '<|end|>\\n' }}"
+    "{% else %}{{ '<|start|>' + m.role + '\\n' + m.content | trim + '<|end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_chat_finds_replies_that_render_differently_as_the_last_turn(tok):
+    qwen3 = build_tokenizer(272)
+    qwen3.chat_template = QWEN3_LIKE
+    ex = data.tokenize_row({"messages": MESSAGES}, _spec(format="chat"), qwen3, "f")
+    rendered = qwen3.apply_chat_template(MESSAGES, tokenize=True, return_dict=True)["input_ids"]
+    assert ex.tokens.tolist() == list(rendered)
+    runs, current = [], []
+    for t, m in zip(ex.tokens.tolist(), ex.loss_mask.tolist(), strict=True):
+        if m:
+            current.append(t)
+        elif current:
+            runs, current = [*runs, qwen3.decode(current)], []
+    assert runs + ([qwen3.decode(current)] if current else []) == [
+        "fine, thank you<|end|>",
+        "<think>\n\n</think>\n\nfour<|end|>",
+    ]
+
+
+def test_chat_template_errors_name_the_row(tmp_path, tok):
+    strict = build_tokenizer(272)
+    strict.chat_template = (
+        "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "<|start|>{{ m.role }}\n{{ m.content }}<|end|>\n{% endfor %}"
+    )
+    rows = [{"messages": MESSAGES[1:3]}, {"messages": [MESSAGES[1], MESSAGES[1], MESSAGES[2]]}]
+    with pytest.raises(UserError, match=r"t\.jsonl line 2: the model's chat template rejects field 'messages': Conversation roles"):
+        data.tokenize_file(_write_jsonl(tmp_path / "t.jsonl", rows), _spec(format="chat"), strict)
+
+
+def test_conversational_prompt_completion_points_at_chat(tok):
+    row = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}
+    with pytest.raises(UserError, match=r"field 'prompt' \(dataset.promptField\) is a list of messages.*format: chat"):
+        data.tokenize_row(row, _spec(), tok, "f line 1")
+
+
 def test_truncation_is_counted_and_logged(tmp_path, tok, caplog):
     long = "the quick brown fox jumps over the lazy dog " * 10
     f = _write_jsonl(tmp_path / "t.jsonl", [{"prompt": "Q:", "completion": long}, {"prompt": "Q:", "completion": " four"}])
@@ -125,6 +176,16 @@ def test_unreadable_files_are_user_errors(tmp_path, tok):
         data.read_rows(str(tmp_path / "missing.jsonl"))
 
 
+def test_jsonl_lines_split_on_newlines_only(tmp_path):
+    rows = [{"text": "one\u2028two\u2029three\x85four"}, {"text": "plain"}]
+    f = tmp_path / "u.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode())
+    assert [r for _, r in data.read_rows(str(f))] == rows
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"latin1\.jsonl line 2: not valid UTF-8 \(byte 14 of the line\)"):
+        data.read_rows(str(tmp_path / "latin1.jsonl"))
+
+
 def test_parquet_reads_like_jsonl(tmp_path, tok):
     rows = [{"prompt": f"Q{i}", "completion": f" A{i}"} for i in range(5)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
@@ -148,6 +209,29 @@ def test_packing_keeps_segments_and_positions():
     assert batch["input_tokens"].shape == (4, 8)
     assert batch["segment_ids"][3].tolist() == [0] * 8  # a padding row
     assert batch["segment_ids"][2].tolist() == [1] * 6 + [0, 0]
+
+
+def test_packing_is_first_fit_in_file_order():
+    def first_fit(lengths, cap):  # the plain quadratic scan
+        bins, room = [], []
+        for i, n in enumerate(lengths):
+            for b, r in enumerate(room):
+                if n <= r:
+                    bins[b].append(i)
+                    room[b] -= n
+                    break
+            else:
+                bins.append([i])
+                room.append(cap - n)
+        return bins
+
+    rng = np.random.default_rng(0)
+    for cap, count in ((8, 1), (8, 2), (64, 300), (1024, 2000)):
+        lengths = rng.integers(2, cap + 1, count).tolist()
+        packed = data.pack(_examples(lengths), cap)
+        expected = [[(100 * i + 1) for i in b] for b in first_fit(lengths, cap)]
+        got = [s.tokens[s.positions == 0].tolist() for s in packed]
+        assert got == expected
 
 
 def _stream(seqs, **kw) -> data.BatchStream:

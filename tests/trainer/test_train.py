@@ -16,7 +16,7 @@ from lora_trainer.config import DatasetSpec, LoraSpec, TrainingSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
 from lora_trainer.models import load_model
-from lora_trainer.progress import format_eta, progress_record
+from lora_trainer.progress import IntervalTimer, format_eta, progress_record
 from lora_trainer.train import incompatibilities, lm_loss, make_trainer, model_inputs, run_training
 
 PROGRESS_KEYS = {
@@ -111,6 +111,22 @@ def test_progress_record_schema_and_eta():
     assert progress_record(**{**_REC, "loss": float("nan")})["loss"] is None
 
 
+def test_interval_timer_leaves_eval_and_checkpoint_time_out():
+    now = [0.0]
+    timer = IntervalTimer(lambda: now[0])
+    now[0] = 2.0  # two steps
+    assert timer.lap() == 2.0
+    with timer.paused():  # the eval and the checkpoint after that log line
+        now[0] = 30.0
+    now[0] = 31.0  # the next step
+    assert timer.lap() == 1.0
+    now[0] = 32.0
+    with timer.paused():  # an eval between log lines
+        now[0] = 40.0
+    now[0] = 41.0
+    assert timer.lap() == 2.0
+
+
 _REC = dict(step=1, total_steps=2, loss=1.0, learning_rate=0.1, tokens_per_second=1.0, step_time_seconds=1.0, mfu=0.5, last_checkpoint=None)
 
 
@@ -125,7 +141,10 @@ def test_incompatibilities_name_the_changed_fields():
 def test_run_writes_checkpoints_metrics_progress_and_tensorboard(tmp_path):
     out = tmp_path / "out"
     cfg = train_config(tmp_path, str(out), steps=6, checkpointEvery=2, checkpointsToKeep=2, gradientAccumulation=2, evalEvery=3)
-    cfg["dataset"]["eval"] = cfg["dataset"]["train"]
+    # The eval set holds an example longer than any training example (batches of their own length).
+    longer = {"prompt": "Question: 1 + 2 + 3 + 4 + 5 + 6?", "completion": " Answer: 21."}
+    cfg["dataset"]["eval"] = write_jsonl(tmp_path / "data" / "eval.jsonl", [*arithmetic_rows(3), longer])
+    cfg["dataset"]["maxSeqLen"] = 64
     seen = []
     result = run_training(parse(cfg), on_progress=seen.append)
 
@@ -146,7 +165,12 @@ def test_run_writes_checkpoints_metrics_progress_and_tensorboard(tmp_path):
     assert train_lines[0]["mfu"] is None  # CPU: peak unknown
     progress = json.loads((out / "progress.json").read_text())
     assert set(progress) == PROGRESS_KEYS and progress["step"] == 6 and progress["totalSteps"] == 6
-    assert [r["step"] for r in seen] == [1, 2, 3, 4, 5, 6] and seen[-1]["loss"] == progress["loss"]
+    assert progress["lastCheckpoint"] == str(out / "checkpoints" / "6")  # rewritten once step 6 committed
+    assert [(r["step"], r["lastCheckpoint"]) for r in seen] == [
+        (1, None), (2, None), (2, f"{out}/checkpoints/2"), (3, f"{out}/checkpoints/2"), (4, f"{out}/checkpoints/2"),
+        (4, f"{out}/checkpoints/4"), (5, f"{out}/checkpoints/4"), (6, f"{out}/checkpoints/4"), (6, f"{out}/checkpoints/6"),
+    ]  # fmt: skip
+    assert seen[-1]["loss"] == progress["loss"]
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
     assert result.final_loss == pytest.approx(progress["loss"]) and result.eval_loss is not None
 

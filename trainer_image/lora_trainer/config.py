@@ -143,7 +143,7 @@ class TrainingSpec(ApiModel):
     """Decay after warmup: cosine, linear (both to 0 at `steps`) or constant."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     """AdamW weight decay on the LoRA parameters."""
-    seed: int = 0
+    seed: Annotated[int, Field(ge=0)] = 0
     """Seed for LoRA initialisation, dropout and data shuffling."""
     eval_every: Annotated[int, Field(ge=1)] | None = None
     """Evaluate on `dataset.eval` every N steps (requires dataset.eval)."""

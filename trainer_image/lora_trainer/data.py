@@ -14,9 +14,12 @@ every token for `text`, the completion for `prompt-completion`, assistant turns 
 
 from __future__ import annotations
 
+import codecs
 import io
 import json
 import logging
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +82,14 @@ def read_rows(uri: str) -> list[tuple[int, dict[str, Any]]]:
     data = storage.read_bytes(uri)
     if name.endswith((".jsonl", ".json")):
         rows = []
-        for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+        # Split on newlines only: str.splitlines would also split inside strings at U+2028, U+0085, ...
+        for n, raw in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(
+                    f"{uri} line {n}: not valid UTF-8 (byte {e.start + 1} of the line); save the file as UTF-8"
+                ) from e
             if not line.strip():
                 continue
             try:
@@ -131,6 +141,8 @@ def _with_specials(tokenizer: Any, ids: list[int], mask: list[int]) -> tuple[lis
 
 def _chat_example(tokenizer: Any, messages: list[Any], where: str, field: str) -> tuple[list[int], list[int]]:
     """Render with the tokenizer's chat template; loss on the assistant turns only."""
+    from jinja2 import TemplateError
+
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise UserError(f"{where}: field {field!r} item {i} must be an object with string `role` and `content`")
@@ -142,29 +154,50 @@ def _chat_example(tokenizer: Any, messages: list[Any], where: str, field: str) -
             "dataset.format is `chat` but the model's tokenizer has no chat template: use a model directory whose "
             "tokenizer_config.json has `chat_template`, or convert the data to prompt-completion"
         )
-    if "{% generation %}" in template or "{%- generation %}" in template:
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        return list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
-    # Templates without generation markers: an assistant turn is the span between the render
-    # of the messages before it (plus the generation prompt) and the render including it.
-    render = lambda msgs, gen: list(  # noqa: E731
-        tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen, return_dict=True)["input_ids"]
-    )
-    ids = render(messages, False)
-    mask = [0] * len(ids)
+    try:
+        if re.search(r"{%-?\s*generation\s*-?%}", template):
+            out = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            return list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
+        return _assistant_mask_by_render(tokenizer, messages, where)
+    except TemplateError as e:  # the template's own checks, e.g. Gemma's "roles must alternate"
+        raise UserError(f"{where}: the model's chat template rejects field {field!r}: {e}") from e
+
+
+def _assistant_mask_by_render(tokenizer: Any, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[int]]:
+    """Assistant tokens of a template without {% generation %} markers, located in the rendered text.
+
+    A reply starts where the render of the turns before it, plus the generation prompt, ends
+    (that render must be a prefix of the whole conversation's) and runs through its content and
+    the end-of-turn text that follows it in both the whole render and the render that stops after
+    it (whitespace after that text is the template's, never generated, so it carries no loss). Text, not tokens, is compared: templates such as Qwen3's render the last reply differently
+    (an empty `<think>` block) from earlier ones, so a render that stops after an earlier reply is
+    no prefix of the whole, but each reply's content is still found in place.
+    """
+    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
+    full = render(messages, False)
+    spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start, end = len(render(messages[:i], True)), render(messages[: i + 1], False)
-        if ids[: len(end)] != end:
+        before = render(messages[:i], True)
+        reply = m["content"].strip()
+        at = full.find(reply, len(before)) if full.startswith(before) else -1
+        if at < 0:
             raise UserError(
-                f"{where}: the chat template renders earlier turns differently once later turns are added, so "
-                "assistant tokens cannot be located; use a template with {% generation %} markers"
+                f"{where}: cannot find assistant turn {i} in the chat template's rendering of the conversation (the "
+                "template rewrites it or renders earlier turns differently once later turns are added); use a model "
+                "directory whose chat template marks replies with {% generation %} ... {% endgeneration %}"
             )
-        mask[start : len(end)] = [1] * (len(end) - start)
-    return ids, mask
+        end = at + len(reply)
+        alone = render(messages[: i + 1], False)
+        tail = alone[alone.rfind(reply) + len(reply) :] if reply else alone[len(before) :]
+        end += len(os.path.commonprefix([full[end:], tail]).rstrip())  # the end-of-turn token, not the newline after it
+        spans.append((len(before), end))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
 
 
 def tokenize_row(row: dict[str, Any], spec: DatasetSpec, tokenizer: Any, where: str) -> Example:
@@ -173,6 +206,13 @@ def tokenize_row(row: dict[str, Any], spec: DatasetSpec, tokenizer: Any, where: 
         text = _ids(tokenizer, _field(row, spec.text_field, "textField", where, str))
         ids, mask = _with_specials(tokenizer, text, [1] * len(text))
     elif spec.format == "prompt-completion":
+        for setting, name in (("promptField", spec.prompt_field), ("completionField", spec.completion_field)):
+            if isinstance(row.get(name), list):
+                raise UserError(
+                    f"{where}: field {name!r} (dataset.{setting}) is a list of messages; conversational "
+                    "prompt-completion rows are not supported: join prompt and completion into one `messages` "
+                    "list and set dataset.format: chat"
+                )
         prompt = _ids(tokenizer, _field(row, spec.prompt_field, "promptField", where, str))
         completion = _ids(tokenizer, _field(row, spec.completion_field, "completionField", where, str))
         ids, mask = _with_specials(tokenizer, prompt + completion, [0] * len(prompt) + [1] * len(completion))
@@ -225,19 +265,29 @@ def _single(ex: Example) -> Sequence:
 
 
 def pack(examples: list[Example], max_seq_len: int) -> list[Sequence]:
-    """Greedy first-fit packing in file order; each example keeps its own segment id and positions."""
+    """Greedy first-fit packing in file order; each example keeps its own segment id and positions.
+
+    First fit finds the first bin with room through a max-tree over the bins' free room
+    (O(log bins) per example): scanning the bins is quadratic, an hour for 500k examples.
+    """
+    size = 1 << max(len(examples) - 1, 0).bit_length()  # leaves >= examples >= bins
+    room = [-1] * (2 * size)  # leaves: each bin's free room (-1: no bin yet); inner nodes: max of children
     bins: list[list[Example]] = []
-    room: list[int] = []
     for ex in examples:
         n = len(ex.tokens)
-        for i, r in enumerate(room):
-            if n <= r:
-                bins[i].append(ex)
-                room[i] -= n
-                break
+        if room[1] >= n:
+            node = 1
+            while node < size:
+                node = 2 * node if room[2 * node] >= n else 2 * node + 1
+            bins[node - size].append(ex)
+            room[node] -= n
         else:
+            node = size + len(bins)
             bins.append([ex])
-            room.append(max_seq_len - n)
+            room[node] = max_seq_len - n
+        while node > 1:
+            node //= 2
+            room[node] = max(room[2 * node], room[2 * node + 1])
     out = []
     for group in bins:
         out.append(

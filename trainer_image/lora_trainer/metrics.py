@@ -8,6 +8,7 @@ are added explicitly. A full fine-tune would be 6N, the usual MFU convention.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 #: Dense bf16 peak FLOP/s per chip (per device JAX reports), by a substring of `device.device_kind`.
@@ -22,14 +23,18 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("H200", 989e12),
     ("H100", 989e12),
     ("A100", 312e12),
+    ("L40S", 362e12),
     ("L4", 121e12),
 )
 
 
 def peak_flops_per_device(device_kind: str) -> float | None:
-    """Peak bf16 FLOP/s of one device, or None when unknown (e.g. CPU), so MFU is reported as null."""
+    """Peak bf16 FLOP/s of one device, or None when unknown (e.g. CPU), so MFU is reported as null.
+
+    A key matches whole words only ("L4" is not "NVIDIA L40S").
+    """
     for key, flops in PEAK_FLOPS:
-        if key.lower() in device_kind.lower():
+        if re.search(rf"\b{re.escape(key)}\b", device_kind, re.IGNORECASE):
             return flops
     return None
 

@@ -45,7 +45,7 @@ from lora_trainer.errors import RetriableError, UserError
 from lora_trainer.lora import apply_lora, lora_state, resolve_target_regex, set_lora_state
 from lora_trainer.lora_provider import no_lora_dropout
 from lora_trainer.models import load_model
-from lora_trainer.progress import ProgressCallback, ProgressSink, progress_record
+from lora_trainer.progress import IntervalTimer, ProgressCallback, ProgressSink, progress_record
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +424,7 @@ class _Run:
             eval_ds = data.eval_batches(
                 eval_seqs,
                 global_batch=micro,
-                seq_len=seq_len,
+                seq_len=_seq_len(eval_seqs, cfg.dataset.max_seq_len),  # its own: an eval example may be longer
                 pad_id=pad_id,
                 process_index=jax.process_index(),
                 process_count=jax.process_count(),
@@ -495,13 +495,14 @@ class _Run:
         saved_step = step
         last_checkpoint = checkpoint.step_uri(self.root, step) if step else None
         loss = eval_loss = None
-        interval_start, interval_steps = time.perf_counter(), 0
+        timer, interval_steps = IntervalTimer(time.perf_counter), 0
 
         def save(at: int) -> None:
             nonlocal saved_step, last_checkpoint
             store.save(at, lora=lora_state(trainer.model), optimizer=_train_state(trainer), data=stream.state(), metadata=self.metadata)
             store.wait()
             saved_step, last_checkpoint = at, checkpoint.step_uri(self.root, at)
+            sink.checkpointed(last_checkpoint)
             sink.flush()
 
         while step < t.steps:
@@ -518,7 +519,7 @@ class _Run:
             if step % t.log_every == 0 or step == t.steps:
                 loss, _, tokens = _weighted_loss(trainer.train_aux)
                 trainer.train_aux.clear()
-                elapsed = time.perf_counter() - interval_start
+                elapsed = timer.lap()
                 tps = tokens / elapsed
                 record = progress_record(
                     step=step,
@@ -531,13 +532,14 @@ class _Run:
                     last_checkpoint=last_checkpoint,
                 )
                 sink.emit(record)
-                interval_start, interval_steps = time.perf_counter(), 0
-            if eval_ds and t.eval_every and step % t.eval_every == 0:
-                eval_loss = self._evaluate(trainer, eval_ds)
-                sink.scalar("eval/loss", eval_loss, step)
-                log.info("step %d: eval loss %.4f", step, eval_loss)
-            if step % t.checkpoint_every == 0 or step == t.steps:
-                save(step)
+                interval_steps = 0
+            with timer.paused():
+                if eval_ds and t.eval_every and step % t.eval_every == 0:
+                    eval_loss = self._evaluate(trainer, eval_ds)
+                    sink.scalar("eval/loss", eval_loss, step)
+                    log.info("step %d: eval loss %.4f", step, eval_loss)
+                if step % t.checkpoint_every == 0 or step == t.steps:
+                    save(step)
         if saved_step != step:
             save(step)
         return self._result(step, final_loss=loss, eval_loss=eval_loss)
