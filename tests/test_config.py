@@ -39,6 +39,16 @@ def test_bad_input_names_the_field(patch, field):
     assert field.split(".")[-1] in str(e.value)
 
 
+def test_a_bad_command_line_is_a_user_error(capsys):
+    from lora_trainer import cli, exit_codes
+
+    assert cli.main(["convert", "--from", "peft", "--to", "orbax", "--source", "a", "--out", "b", "--base", "c"]) == exit_codes.USER_ERROR
+    assert "invalid choice: 'peft'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+
+
 def test_the_trainer_cli_refuses_a_bad_config_file_with_the_user_error_code(tmp_path, capsys):
     from lora_trainer import cli, exit_codes
 
@@ -48,9 +58,15 @@ def test_the_trainer_cli_refuses_a_bad_config_file_with_the_user_error_code(tmp_
     bad_uri.write_text(json.dumps({**MINIMAL, "output": {"uri": "hf://org/run"}}))
     broken = tmp_path / "broken.yaml"
     broken.write_text("model: [unclosed")
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"model: {source: caf\xe9}\n")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
     cases = [
         (tmp_path / "absent.yaml", "cannot read"),
-        (broken, "not valid YAML"),
+        (broken, "not valid YAML or JSON at line 1, column 17: expected ',' or ']'"),
+        (latin1, "not UTF-8 text (byte 20)"),
+        (empty, "invalid train config: top level: "),
         (bad, "training.steps"),
         # The same words as the operator's status condition, not pydantic's regex.
         (bad_uri, "output.uri: 'hf://org/run' is not a supported location; use a local path, gs://BUCKET/PATH or file:///PATH"),
@@ -59,3 +75,4 @@ def test_the_trainer_cli_refuses_a_bad_config_file_with_the_user_error_code(tmp_
         assert cli.main(["train", "--config", str(path)]) == exit_codes.USER_ERROR
         err = capsys.readouterr().err
         assert str(path) in err and message in err and "Traceback" not in err
+        assert err.count("\n") == 1, err  # one paragraph

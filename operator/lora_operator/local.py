@@ -36,8 +36,8 @@ from lora_operator.crdgen import lora_finetune_crd
 from lora_operator.progress import progress_status
 from lora_operator.render import output_uris
 from lora_trainer import exit_codes, storage
-from lora_trainer.config import TrainConfig, validation_problems
-from lora_trainer.errors import TrainerError, UserError
+from lora_trainer.config import TrainConfig, validation_problems, yaml_problem
+from lora_trainer.errors import TrainerError, UserError, device_oom_message
 
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://")
 #: Spec fields that only mean something on a cluster (everything the spec adds to TrainConfig).
@@ -54,13 +54,13 @@ class ManifestError(UserError):
 def load_manifest(path: Path) -> tuple[str, LoraFinetuneSpec]:
     """The LoraFinetune's name and validated spec from a YAML file holding exactly one of them."""
     try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        docs = [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d is not None]
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{path}: not UTF-8 text (byte {e.start + 1}); save the manifest as UTF-8") from e
     except OSError as e:
         raise ManifestError(f"{path}: cannot read the manifest ({e.strerror}); pass an existing LoraFinetune YAML with -f") from e
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ManifestError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}; fix the syntax") from e
+        raise ManifestError(f"{path}: not valid YAML{yaml_problem(e)}; fix the syntax") from e
     objs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "LoraFinetune"]
     if len(objs) != 1:
         kinds = [d.get("kind") if isinstance(d, dict) else type(d).__name__ for d in docs]
@@ -68,7 +68,10 @@ def load_manifest(path: Path) -> tuple[str, LoraFinetuneSpec]:
     obj = objs[0]
     if obj.get("apiVersion") != API_VERSION:
         raise ManifestError(f"{path}: apiVersion is {obj.get('apiVersion')!r}; set it to {API_VERSION!r}")
-    name = str((obj.get("metadata") or {}).get("name") or path.stem)
+    metadata = obj.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise ManifestError(f"{path}: metadata must be a mapping such as `metadata: {{name: my-run}}`, got {metadata!r}")
+    name = str(metadata.get("name") or path.stem)
     try:
         spec = LoraFinetuneSpec.model_validate(obj.get("spec") or {})
     except ValidationError as e:
@@ -423,6 +426,13 @@ def run_local(path: Path, *, output: str | None, progress_bar: bool) -> int:
             "dataset.maxSeqLen, or quantize the base model (lora.quantization).",
             file=sys.stderr,
         )
+        return exit_codes.USER_ERROR
+    except Exception as e:
+        message = device_oom_message(e, "train")  # the same paragraph and exit code as `lora-trainer train`
+        if message is None:
+            raise
+        view.close()
+        print(f"lora-operator run-local: {message}", file=sys.stderr)
         return exit_codes.USER_ERROR
     except KeyboardInterrupt:
         view.close()

@@ -84,6 +84,13 @@ def test_round_trip_is_bitwise_and_peft_reads_it(tmp_path):
     assert tuple(weights[f"base_model.model.{MODULE}.lora_B.weight"].shape) == (32, 4)
 
 
+def test_a_hub_base_is_named_as_peft_names_it():
+    hub = pf.config_json(pf.LoraHyper(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj",), base_model="hf://org/name@v1"))
+    assert (hub["base_model_name_or_path"], hub["revision"]) == ("org/name", "v1")
+    gcs = pf.config_json(pf.LoraHyper(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj",), base_model="gs://b/m"))
+    assert (gcs["base_model_name_or_path"], gcs["revision"]) == ("gs://b/m", None)
+
+
 def test_missing_alpha_takes_peft_default(tmp_path):
     d = _written(tmp_path)
     cfg = json.loads((d / pf.CONFIG_NAME).read_text())

@@ -88,6 +88,29 @@ def test_bad_manifest_is_one_paragraph_naming_the_field_and_a_user_error_exit(
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_manifest_that_is_not_utf8_or_has_odd_metadata(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"apiVersion: lora-operator.dev/v1alpha1\nkind: LoraFinetune\nmetadata: {name: caf\xe9}\n")
+    odd = write_manifest(tmp_path, MINIMAL, metadata="just-a-name")
+    for path, needle in ((latin1, "not UTF-8 text"), (odd, "metadata must be a mapping")):
+        assert cli_main(["run-local", "-f", str(path)]) == exit_codes.USER_ERROR
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+
+
+def test_accelerator_oom_is_a_user_error_paragraph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import jax
+
+    def oom(*_args: object) -> None:
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 76032315012 bytes.")
+
+    monkeypatch.setattr(local, "_run", oom)
+    assert cli_main(["run-local", "-f", str(write_manifest(tmp_path, MINIMAL))]) == exit_codes.USER_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("lora-operator run-local: out of accelerator memory") and "training.globalBatchSize" in err
+    assert err.count("\n") == 1
+
+
 def test_missing_manifest_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["run-local", "-f", str(tmp_path / "nope.yaml")]) == exit_codes.USER_ERROR
     assert "cannot read the manifest" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import logging
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,28 @@ def test_new_checkpoints_are_uncompressed(tmp_path):
     assert zarray["compressor"] is None
 
 
+def test_relative_and_digit_named_roots(tmp_path, monkeypatch):
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    ckpt.write_lora("../adapters/777", 0, _tree(0), META)  # TensorStore alone refuses `..` in a path
+    for root in ("../adapters/777", str(tmp_path / "adapters" / "777"), "../adapters/777/0"):
+        tree, meta = ckpt.read_lora(root)  # 777 is the adapter's root, not a step of `adapters`
+        _assert_tree_equal(tree, _tree(0))
+        assert meta["step"] == 0
+
+
+def test_damaged_committed_steps_are_user_errors(tmp_path):
+    root = tmp_path / "c"
+    ckpt.write_lora(str(root), 3, _tree(0), META)
+    (root / "3" / "metadata" / "metadata").write_text("{broken")
+    with pytest.raises(UserError, match=r"checkpoint .*c/3 is committed but incomplete or damaged.*delete that step"):
+        ckpt.read_metadata(str(root))
+    ckpt.write_lora(str(root), 4, _tree(0), META)
+    shutil.rmtree(root / "4" / "lora")
+    with pytest.raises(UserError, match=r"c/4 is committed but incomplete or damaged"):
+        ckpt.read_lora(str(root))
+
+
 def test_write_lora_requires_full_metadata(tmp_path):
     with pytest.raises(UserError, match="modulePaths"):
         ckpt.write_lora(str(tmp_path / "a"), 1, _tree(0), {k: v for k, v in META.items() if k != "modulePaths"})
@@ -234,6 +257,8 @@ def test_training_checkpoints_keep_n_and_full_restore(tmp_path):
         )
     store.close()
     assert ckpt.committed_steps(root) == [2, 3]
+    # A later step a killed process left half-written goes when the next run opens the checkpoints.
+    (tmp_path / "run" / "checkpoints" / "4.orbax-checkpoint-tmp-1234567" / "lora").mkdir(parents=True)
 
     store = ckpt.TrainingCheckpoints(root, keep=2)
     assert store.latest_step() == 3
@@ -245,6 +270,7 @@ def test_training_checkpoints_keep_n_and_full_restore(tmp_path):
     assert isinstance(optimizer["mu"]["x"], jax.Array)
     assert data == {"epoch": 0, "position": 12}
     assert meta["step"] == 3 and meta["rank"] == 2
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "3"]
     # read_lora reads training checkpoints too (export does this).
     _assert_tree_equal(ckpt.read_lora(root)[0], _tree(3))
 

@@ -278,7 +278,10 @@ def test_tokenizer_comes_from_the_model_dir_only(tmp_path, tok):
     loaded = data.load_tokenizer(tmp_path / "model")
     assert loaded("hello")["input_ids"] == tok("hello")["input_ids"]
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match="cannot load the tokenizer"):
+    with pytest.raises(UserError, match="holds no tokenizer"):
         data.load_tokenizer(tmp_path / "empty")
     with pytest.raises(UserError, match="not a directory"):
         data.load_tokenizer(tmp_path / "nope")
+    (tmp_path / "model" / "tokenizer.json").write_text('{"garbage": 1}')  # valid JSON, not a tokenizer
+    with pytest.raises(UserError, match="cannot load the tokenizer"):
+        data.load_tokenizer(tmp_path / "model")

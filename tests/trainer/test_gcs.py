@@ -25,7 +25,7 @@ def test_train_and_resume_on_gcs(gcs_bucket, tmp_path, capsys):
     # Orbax's gs:// commit marker is what makes those steps count.
     assert storage.exists(f"{root}/4/commit_success.txt")
     progress = json.loads(storage.read_text(f"{run}/progress.json"))
-    assert progress["step"] == 4 and progress["lastCheckpoint"] == f"{root}/2"
+    assert progress["step"] == 4 and progress["lastCheckpoint"] == f"{root}/4"  # named once it committed
     assert [json.loads(x)["step"] for x in storage.read_text(f"{run}/metrics.jsonl").splitlines()] == [1, 2, 3, 4]
     assert any(n.startswith("events.out.tfevents") for n in storage.listdir(f"{run}/tensorboard"))
     capsys.readouterr()

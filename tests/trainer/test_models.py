@@ -345,6 +345,26 @@ def test_bad_checkpoints_name_the_file_or_key(tmp_path: Path, tiny_dirs: dict[st
     with pytest.raises(UserError, match="hidden_act='gelu' is not supported for family llama3"):
         load_model(str(unsupported))
 
+    # Well-formed JSON of the wrong shape, and text that is not UTF-8.
+    wrong_type = _copy(good, tmp_path / "wrong-type")
+    (wrong_type / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": "two"}))
+    with pytest.raises(UserError, match="config.json does not describe a llama3 model"):
+        load_model(str(wrong_type))
+    latin1 = _copy(good, tmp_path / "latin1")
+    (latin1 / "config.json").write_bytes(b'{"model_type": "caf\xe9"}')
+    with pytest.raises(UserError, match="config.json is not valid JSON"):
+        load_model(str(latin1))
+    for name, header in (("list", b"[1, 2]"), ("no-offsets", b'{"w": {"dtype": "F32", "shape": [1]}}')):
+        bad = _copy(good, tmp_path / f"header-{name}")
+        (bad / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+        with pytest.raises(UserError, match="corrupt safetensors header"):
+            load_model(str(bad))
+    for name, index in (("list", "[1]"), ("map-list", '{"weight_map": ["model.safetensors"]}')):
+        sharded = _copy(good, tmp_path / f"index-{name}")
+        (sharded / "model.safetensors.index.json").write_text(index)
+        with pytest.raises(UserError, match="is not a valid safetensors index"):
+            load_model(str(sharded))
+
 
 def test_loads_from_a_hub_uri(tiny_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`hf://ORG/NAME` goes through huggingface_hub (offline here: its cache holds the repo)."""

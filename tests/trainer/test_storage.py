@@ -24,10 +24,41 @@ def test_staged_output_publishes_only_on_success(tmp_path):
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # readable like any directory, not mkdtemp's 0700
 
-    # Republishing replaces the old output whole.
+    # Republishing replaces an earlier output of the same files whole (a partial one too).
     with storage.staged_output_dir(str(out)) as stage:
+        (stage / "adapter_config.json").write_text('{"r": 4}')
         (stage / "adapter_model.safetensors").write_bytes(b"x")
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert (out / "adapter_config.json").read_text() == '{"r": 4}'
+
+
+def test_staged_output_never_replaces_what_it_does_not_write(tmp_path):
+    run = tmp_path / "run"  # a run's output: export pointed at it instead of at run/hf-adapter
+    (run / "checkpoints" / "3").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match=r"run already holds checkpoints, metrics.jsonl, which this output does not write"):
+        with storage.staged_output_dir(str(run)) as stage:
+            (stage / "adapter_config.json").write_text("{}")
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging debris
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match="is a file"):
+        with storage.staged_output_dir(str(tmp_path / "afile")) as stage:
+            (stage / "adapter_config.json").write_text("{}")
+    assert (tmp_path / "afile").is_file()
+
+
+def test_staged_output_on_gcs_replaces_only_its_own_files(gcs_bucket, tmp_path):
+    out = f"gs://{gcs_bucket}/test_storage/adapter"
+    for _ in range(2):
+        with storage.staged_output_dir(out) as stage:
+            (stage / "adapter_config.json").write_text("{}")
+    assert storage.exists(f"{out}/_COMPLETE")
+    storage.write_text(f"{out}/notes/readme.txt", "mine")
+    with pytest.raises(UserError, match="already holds notes, which this output does not write"):
+        with storage.staged_output_dir(out) as stage:
+            (stage / "adapter_config.json").write_text("{}")
+    assert storage.read_text(f"{out}/notes/readme.txt") == "mine"
 
 
 def test_atomic_write_and_read_back(tmp_path):
@@ -41,6 +72,9 @@ def test_atomic_write_and_read_back(tmp_path):
 def test_missing_input_is_a_user_error_naming_it(tmp_path):
     with pytest.raises(UserError, match="nope.json"):
         storage.read_text(str(tmp_path / "nope.json"))
+    (tmp_path / "train.jsonl").mkdir()
+    with pytest.raises(UserError, match="train.jsonl is a directory, not a file"):
+        storage.read_bytes(str(tmp_path / "train.jsonl"))
     with pytest.raises(UserError, match="not a directory"):
         with storage.local_dir(str(tmp_path / "missing")):
             pass
@@ -76,3 +110,26 @@ def test_hf_uris_read_through_the_hub_cache(tmp_path):
     # Offline and not cached: the hub is unreachable, which a restart may fix.
     with pytest.raises(RetriableError, match="hf://acme/absent"):
         storage.read_text("hf://acme/absent/config.json")
+
+
+def test_output_location_is_checked_before_any_work(tmp_path, gcs_bucket):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match=r"output.uri .*afile/run: cannot create the directory"):
+        storage.check_output_location(str(tmp_path / "afile" / "run"), "output.uri")
+    storage.check_output_location(str(tmp_path / "new" / "run"), "output.uri")
+    assert (tmp_path / "new" / "run").is_dir()
+    with pytest.raises(UserError, match=r"output.uri gs://no-such-bucket-xyz/run: bucket 'no-such-bucket-xyz' does not exist"):
+        storage.check_output_location("gs://no-such-bucket-xyz/run", "output.uri")
+    storage.check_output_location(f"gs://{gcs_bucket}/fresh-run", "output.uri")
+
+
+def test_staged_output_at_dot_or_under_a_file(tmp_path, monkeypatch):
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    with storage.staged_output_dir(".") as stage:  # the (empty) working directory itself
+        (stage / "adapter_config.json").write_text("{}")
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["adapter_config.json"]
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match="cannot create its parent directory"):
+        with storage.staged_output_dir(str(tmp_path / "afile" / "x")) as stage:
+            pass

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import jax
 import numpy as np
@@ -13,7 +15,7 @@ from trainer_fixtures import arithmetic_rows, parse, tiny_llama, train_config, w
 
 from lora_trainer import checkpoint, data, schedule
 from lora_trainer.config import DatasetSpec, LoraSpec, TrainingSpec
-from lora_trainer.errors import UserError
+from lora_trainer.errors import RetriableError, UserError
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
 from lora_trainer.models import load_model
 from lora_trainer.progress import IntervalTimer, format_eta, progress_record
@@ -133,6 +135,7 @@ _REC = dict(step=1, total_steps=2, loss=1.0, learning_rate=0.1, tokens_per_secon
 def test_incompatibilities_name_the_changed_fields():
     saved = {"baseModel": "gs://m/a", "family": "llama3", "rank": 8, "alpha": 16.0, "targetModules": "x", "quantization": None}
     assert incompatibilities(saved, dict(saved)) == []
+    assert incompatibilities(saved, {**saved, "baseModel": "gs://m/a/"}) == []  # the same directory
     changed = incompatibilities(saved, {**saved, "rank": 4, "baseModel": "gs://m/b"})
     assert changed == ["model.source (checkpoint: 'gs://m/a', config: 'gs://m/b')", "lora.rank (checkpoint: 8, config: 4)"]
 
@@ -175,6 +178,22 @@ def test_run_writes_checkpoints_metrics_progress_and_tensorboard(tmp_path):
     assert result.final_loss == pytest.approx(progress["loss"]) and result.eval_loss is not None
 
 
+def test_sigterm_saves_before_an_eval_pass(tmp_path):
+    out = tmp_path / "out"
+    cfg = train_config(tmp_path, str(out), steps=6, checkpointEvery=5, evalEvery=3)
+    cfg["dataset"]["eval"] = cfg["dataset"]["train"]
+
+    def preempt(record: dict) -> None:  # SIGTERM arrives during step 3, which would evaluate
+        if record["step"] == 3 and record["lastCheckpoint"] is None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(RetriableError, match="checkpoint step 3 is saved"):
+        run_training(parse(cfg), on_progress=preempt)
+    assert checkpoint.committed_steps(str(out / "checkpoints")) == [3]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert not [x for x in lines if "eval/loss" in x]
+
+
 @pytest.mark.slow
 def test_restore_from_an_orbax_adapter(tmp_path):
     rng = np.random.default_rng(1)
@@ -190,6 +209,9 @@ def test_restore_from_an_orbax_adapter(tmp_path):
     bad = {**src, "lora": {"rank": 4, "alpha": 16.0, "restoreFrom": str(tmp_path / "adapter")}, "output": {"uri": str(tmp_path / "bad")}}
     with pytest.raises(UserError, match=r"trained with alpha 8\.0 but lora\.alpha is 16\.0"):
         run_training(parse(bad))
+    missing = {**bad, "lora": {"rank": 4, "alpha": 8.0, "restoreFrom": str(tmp_path / "nothing")}}
+    with pytest.raises(UserError, match=r"lora\.restoreFrom .*nothing holds neither an HF PEFT adapter"):
+        run_training(parse(missing))
 
     # With a vanishing learning rate, one step leaves the restored adapter in place.
     ok = {**src, "lora": {"rank": 4, "alpha": 8.0, "restoreFrom": str(tmp_path / "adapter")}, "output": {"uri": str(tmp_path / "ok")}}

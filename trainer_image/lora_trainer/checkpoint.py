@@ -20,7 +20,9 @@ temporary directory and renames it; on gs:// it writes in place and adds
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -55,7 +57,8 @@ def checkpoint_root(output_uri: str) -> str:
 
 def _path(uri: str) -> epath.Path:
     """An etils path for Orbax: gs:// stays a URI (gcsfs/TensorStore), `file://` becomes a plain path."""
-    return epath.Path(uri if storage.is_gcs(uri) else storage.local_path(uri))
+    # Absolute: TensorStore refuses a relative path with `..` in it ("Invalid file path").
+    return epath.Path(uri if storage.is_gcs(uri) else os.path.abspath(storage.local_path(uri)))
 
 
 #: Markers of a transient fault in errors TensorStore (ValueError) and gcsfs raise for gs:// I/O.
@@ -178,10 +181,23 @@ def _quiet_orbax() -> None:
 def _split_step_dir(root: str, step: int | None) -> tuple[str, int | None]:
     """Accept a step directory (`.../checkpoints/120`) wherever a root is expected."""
     path = _path(root)
-    if step is None and path.name.isdigit() and ocp.path.step.is_path_finalized(path):
+    # An adapter-only root may be named with digits too (`adapters/777`); a step holds the items.
+    if step is None and path.name.isdigit() and ocp.path.step.is_path_finalized(path) and (path / METADATA).exists():
         parent = root.rstrip("/").rsplit("/", 1)[0] if storage.is_gcs(root) else str(path.parent)
         return parent, int(path.name)
     return root, step
+
+
+@contextlib.contextmanager
+def _unreadable_step(root: str, step: int) -> Iterator[None]:
+    """A committed step with an item missing or damaged (deleted or edited by hand): a UserError naming it."""
+    try:
+        yield
+    except (KeyError, json.JSONDecodeError, FileNotFoundError) as e:
+        raise UserError(
+            f"checkpoint {step_uri(root, step)} is committed but incomplete or damaged ({e}); delete that step "
+            "directory so that the run resumes from the step before it, or read another step (export --step)"
+        ) from e
 
 
 def _resolve_step(root: str, step: int | None) -> int:
@@ -208,7 +224,7 @@ def read_metadata(root: str, step: int | None = None) -> dict[str, Any]:
     """The `metadata` item of a committed step (latest by default)."""
     root, step = _split_step_dir(root, step)
     step = _resolve_step(root, step)
-    with _storage_faults(root), _reader(root, METADATA) as mgr:
+    with _storage_faults(root), _unreadable_step(root, step), _reader(root, METADATA) as mgr:
         return dict(mgr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))[METADATA])
 
 
@@ -222,7 +238,7 @@ def read_lora(root: str, step: int | None = None) -> tuple[LoraTree, dict[str, A
     """
     root, step = _split_step_dir(root, step)
     step = _resolve_step(root, step)
-    with _storage_faults(root), _reader(root, LORA, METADATA) as mgr:
+    with _storage_faults(root), _unreadable_step(root, step), _reader(root, LORA, METADATA) as mgr:
         meta = mgr.item_metadata(step)[LORA]
         restored = mgr.restore(
             step,
@@ -402,7 +418,11 @@ class TrainingCheckpoints:
         with _storage_faults(root):
             self._mgr = ocp.CheckpointManager(
                 _path(root),
-                options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True),
+                # cleanup_tmp_directories: a step a killed process left half-written (a `*.orbax-checkpoint-tmp`
+                # directory, or on gs:// a step without commit_success.txt) is removed, not kept forever.
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=keep, create=True, enable_async_checkpointing=True, cleanup_tmp_directories=True
+                ),
                 item_handlers=_handlers(LORA, OPTIMIZER, DATA, METADATA),
             )
 
@@ -444,7 +464,7 @@ class TrainingCheckpoints:
         The targets are trees of arrays or `jax.ShapeDtypeStruct`s with shardings; restored
         arrays take those shardings, so every host gets its part.
         """
-        with _storage_faults(self.root):
+        with _storage_faults(self.root), _unreadable_step(self.root, step):
             r = self._mgr.restore(
                 step,
                 args=ocp.args.Composite(

@@ -88,7 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     With `argv` None the command line is the process's own (the console script), and the process
     then ends within EXIT_GRACE_S of its exit code being decided (see `_exit_within`).
     """
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse: 0 for --help, 2 for a bad command line, which the table calls a user error
+        if e.code in (0, None):
+            raise
+        return exit_codes.USER_ERROR
     try:
         code = _run(args)
     except Exception:

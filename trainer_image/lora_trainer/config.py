@@ -86,7 +86,7 @@ class QuantizationSpec(ApiModel):
     weight_qtype: WeightQtype
     """Quantize the frozen base weights of the LoRA-targeted layers (QLoRA): nf4, int4, int8 or fp8."""
     tile_size: Annotated[int, Field(ge=1, le=4096)] | None = None
-    """Quantization tile along the contracting axis; a power of two that divides every targeted weight's input dimension."""
+    """Quantization tile along the contracting axis; a power of two that divides it for every targeted weight: the input dimension, or head_dim for the attention output projection (it contracts over heads x head_dim)."""
 
     @field_validator("tile_size")
     @classmethod
@@ -216,17 +216,26 @@ def validation_problems(e: ValidationError, prefix: str = "") -> str:
     Shared by the operator (CR specs, settings), local mode and the trainer's `--config`, so a
     bad field reads the same wherever it is caught.
     """
-    return "; ".join(f"{prefix}{'.'.join(str(x) for x in err['loc'])}: {_problem(err)}" for err in e.errors())
+    return "; ".join(f"{(prefix + '.'.join(str(x) for x in err['loc'])).rstrip('.') or 'top level'}: {_problem(err)}" for err in e.errors())
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML syntax error on one line, `at line L, column C: problem` (PyYAML's own text spans several)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{where}: {getattr(e, 'problem', None) or e}"
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
     """Parse a train config file (YAML or JSON; JSON is YAML); UserError naming the file and every bad field."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"--config {path}: not UTF-8 text (byte {e.start + 1}); save the train config as UTF-8") from e
     except OSError as e:
         raise UserError(f"--config {path}: cannot read the train config ({e.strerror}); pass the file the operator rendered") from e
     except yaml.YAMLError as e:
-        raise UserError(f"--config {path}: not valid YAML or JSON ({e})") from e
+        raise UserError(f"--config {path}: not valid YAML or JSON{yaml_problem(e)}; fix the syntax") from e
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:

@@ -64,12 +64,18 @@ def load_tokenizer(model_dir: Path) -> Any:
 
     if not model_dir.is_dir():
         raise UserError(f"model directory {model_dir} is not a directory: point model.source at an HF checkpoint directory")
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    if not any((model_dir / f).is_file() for f in files):
+        raise UserError(
+            f"the model directory {model_dir} holds no tokenizer ({', '.join(files)}); copy in the tokenizer files "
+            "that `save_pretrained` writes with the model (tokenizer.json, tokenizer_config.json)"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # transformers raises many types for damaged files (KeyError, TypeError, ...)
         raise UserError(
-            f"cannot load the tokenizer from the model directory {model_dir} ({e}); the directory must hold "
-            "the tokenizer files that `save_pretrained` writes (tokenizer.json, tokenizer_config.json)"
+            f"cannot load the tokenizer from the model directory {model_dir} ({' '.join(str(e).split())}); the "
+            "directory must hold the tokenizer files that `save_pretrained` writes (tokenizer.json, tokenizer_config.json)"
         ) from e
 
 

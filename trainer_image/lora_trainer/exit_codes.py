@@ -7,7 +7,7 @@ resumes from the last committed checkpoint).
 
 #: Training (or export/conversion) finished.
 OK = 0
-#: Bad config, bad model files, bad data, bad adapter, out of host or accelerator memory: retrying cannot help. Fail fast.
+#: A bad command line or config, bad model files, bad data, bad adapter, out of host or accelerator memory: retrying cannot help. Fail fast.
 USER_ERROR = 3
 #: A transient fault (storage outage, preemption notice handled by saving): restart and resume.
 RETRIABLE = 42

@@ -237,6 +237,10 @@ def read_bytes(uri: str) -> bytes:
         return path.read_bytes()
     except FileNotFoundError as e:
         raise UserError(f"{path} does not exist: check the path") from e
+    except IsADirectoryError as e:
+        raise UserError(f"{path} is a directory, not a file: name the file itself") from e
+    except PermissionError as e:
+        raise UserError(f"{path} cannot be read (permission denied): make it readable") from e
 
 
 def read_text(uri: str) -> str:
@@ -366,25 +370,79 @@ def local_dir(uri: str) -> Iterator[Path]:
 COMPLETE_MARKER = "_COMPLETE"
 
 
+def check_output_location(uri: str, field: str) -> None:
+    """Fail fast, before any work, when the output location (config field `field`) cannot hold a run.
+
+    Locally the directory is created; on gs:// the bucket must exist (a listing, which needs only
+    the object rights the run needs anyway, not bucket metadata rights).
+    """
+    if is_gcs(uri):
+        from google.api_core import exceptions as gexc
+
+        bucket, name = split_gcs(uri)
+        with _gcs_errors(uri):
+            try:
+                next(iter(_client().list_blobs(bucket, prefix=f"{name}/" if name else "", max_results=1, **_call())), None)
+            except gexc.NotFound as e:
+                raise UserError(
+                    f"{field} {uri}: bucket {bucket!r} does not exist: create it (gcloud storage buckets create "
+                    f"gs://{bucket}) or point {field} at an existing bucket"
+                ) from e
+        return
+    path = Path(os.path.abspath(local_path(uri)))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{field} {uri}: cannot create the directory {path} ({e.strerror}); point {field} at a writable directory") from e
+
+
+def check_replaceable(uri: str, names: set[str]) -> None:
+    """Refuse to replace `uri` unless it is absent or holds only top-level entries named in `names`.
+
+    An output is replaced whole, so an earlier output of the same kind (even a partial upload)
+    may go, but nothing else may: an `--out` pointed at a run's own directory would otherwise
+    delete its checkpoints.
+    """
+    if is_gcs(uri):
+        found = {rel.split("/", 1)[0] for rel, _ in _walk_gcs(uri)}
+    else:
+        path = local_path(uri)
+        if path.exists() and not path.is_dir():
+            raise UserError(f"{path} is a file, not an output directory; nothing was written: choose another path")
+        found = {p.name for p in path.iterdir()} if path.exists() else set()
+    foreign = sorted(found - names - {COMPLETE_MARKER})
+    if foreign:
+        listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UserError(
+            f"{uri} already holds {listed}, which this output does not write, so it was left as it is and nothing "
+            "was written: write to a new or empty directory, or remove those files first"
+        )
+
+
 @contextlib.contextmanager
 def staged_output_dir(uri: str) -> Iterator[Path]:
     """Yield a local staging directory; publish it to `uri` only if the block succeeds.
 
     Locally the staging directory is a hidden sibling that is renamed into place, so the
-    output appears whole or not at all (an existing output is replaced). On gs:// the files
+    output appears whole or not at all (an earlier output of the same files is replaced; a
+    directory holding anything else is refused, see `check_replaceable`). On gs:// the files
     are uploaded after success and a `_COMPLETE` marker object is written last; on failure
     nothing is uploaded. Either way a failed export leaves no directory that looks valid.
     """
     if is_gcs(uri):
         with tempfile.TemporaryDirectory(prefix="lora-stage-") as tmp:
             yield Path(tmp)
+            check_replaceable(uri, {p.name for p in Path(tmp).iterdir()})
             if exists(uri):
                 delete_tree(uri)
             upload_dir(tmp, uri)
             write_text(join(uri, COMPLETE_MARKER), "")
         return
-    dest = local_path(uri)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest = Path(os.path.abspath(local_path(uri)))  # `.` and `..` name real directories
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{dest}: cannot create its parent directory ({e.strerror}); choose a writable location") from e
     stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
     # mkdtemp makes the directory 0700; the published output gets the usual umask-derived mode.
     umask = os.umask(0)
@@ -392,16 +450,21 @@ def staged_output_dir(uri: str) -> Iterator[Path]:
     stage.chmod(0o777 & ~umask)
     try:
         yield stage
+        check_replaceable(str(dest), {p.name for p in stage.iterdir()})
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex}")
+            os.replace(dest, old)
+            try:
+                os.replace(stage, dest)
+            except BaseException:
+                os.replace(old, dest)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(stage, dest)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex}")
-        os.replace(dest, old)
-        os.replace(stage, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(stage, dest)
 
 
 def delete_tree(uri: str) -> None:

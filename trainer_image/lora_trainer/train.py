@@ -242,8 +242,13 @@ def incompatibilities(saved: dict[str, Any], expected: dict[str, Any]) -> list[s
     return [
         f"{field} (checkpoint: {saved.get(key)!r}, config: {expected[key]!r})"
         for key, field in _COMPATIBILITY
-        if saved.get(key) != expected[key]
+        if _comparable(key, saved.get(key)) != _comparable(key, expected[key])
     ]
+
+
+def _comparable(key: str, value: Any) -> Any:
+    """`model.source` with and without a trailing slash names the same model."""
+    return value.rstrip("/") if key == "baseModel" and isinstance(value, str) else value
 
 
 # --------------------------------------------------------------------------- signals
@@ -314,6 +319,11 @@ def _restore_adapter(uri: str, base_source: str, family: str) -> tuple[dict[str,
             out = f"{tmp}/orbax"
             convert("hf-peft", "orbax", uri, out, base=base_source, family=family)
             return checkpoint.read_lora(out)
+    if not checkpoint.committed_steps(uri) and not storage.exists(storage.join(uri, "metadata")):
+        raise UserError(
+            f"lora.restoreFrom {uri} holds neither an HF PEFT adapter (adapter_config.json) nor a committed Orbax "
+            "LoRA checkpoint: point it at an adapter directory, a run's `<output>/checkpoints`, or one step in it"
+        )
     return checkpoint.read_lora(uri)
 
 
@@ -380,6 +390,7 @@ class _Run:
 
     def run(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.training
+        storage.check_output_location(cfg.output.uri, "output.uri")  # before minutes of loading
         loaded = load_model(cfg.model.source, family=cfg.model.family, dtype=cfg.model.dtype, mesh=self.mesh)
         self.metadata = {
             "family": loaded.family.name,
@@ -409,6 +420,13 @@ class _Run:
         pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
         train_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.train, cfg.dataset, tokenizer), cfg.dataset)
         seq_len = _seq_len(train_seqs, cfg.dataset.max_seq_len)
+        max_positions = loaded.hf_config.get("max_position_embeddings")
+        if isinstance(max_positions, int) and seq_len > max_positions:
+            log.warning(
+                "sequences of up to %d tokens, beyond the model's max_position_embeddings %d: it was never trained on "
+                "those positions; lower dataset.maxSeqLen to %d unless the model is meant to extrapolate",
+                seq_len, max_positions, max_positions,
+            )  # fmt: skip
         stream = data.BatchStream(
             train_seqs,
             global_batch=micro,
@@ -509,9 +527,11 @@ class _Run:
             if self.stop.requested():
                 if saved_step != step:
                     save(step)
+                if not step:
+                    raise RetriableError("received SIGTERM before the first step; no checkpoint to save, exiting")
                 raise RetriableError(
-                    f"received SIGTERM: saved checkpoint step {step} to {self.root}; exiting so the JobSet restarts "
-                    "and the run resumes from there"
+                    f"received SIGTERM: checkpoint step {step} is saved in {self.root}; exiting so the JobSet "
+                    "restarts and the run resumes from there"
                 )
             trainer.train([next(stream) for _ in range(t.gradient_accumulation)])
             step += 1
@@ -534,7 +554,8 @@ class _Run:
                 sink.emit(record)
                 interval_steps = 0
             with timer.paused():
-                if eval_ds and t.eval_every and step % t.eval_every == 0:
+                # After a SIGTERM the checkpoint comes first: an eval pass could outlast the grace period.
+                if eval_ds and t.eval_every and step % t.eval_every == 0 and not self.stop.requested():
                     eval_loss = self._evaluate(trainer, eval_ds)
                     sink.scalar("eval/loss", eval_loss, step)
                     log.info("step %d: eval loss %.4f", step, eval_loss)

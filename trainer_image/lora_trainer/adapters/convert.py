@@ -75,6 +75,7 @@ def _publish_orbax(out: str, tree: LoraTree, metadata: dict[str, Any]) -> None:
     would lack. Called only after the adapter has been fully validated.
     """
     if storage.is_gcs(out):
+        storage.check_replaceable(out, {str(IMPORTED_STEP)})  # an earlier import, or nothing
         if storage.exists(out):  # replaced whole, as a local output is
             storage.delete_tree(out)
         write_lora(out, IMPORTED_STEP, tree, metadata)

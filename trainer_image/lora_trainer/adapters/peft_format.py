@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from lora_trainer import storage
 from lora_trainer.errors import UserError
 
 CONFIG_NAME = "adapter_config.json"
@@ -148,10 +149,17 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> LoraHyper:
 
 
 def config_json(hyper: LoraHyper) -> dict[str, Any]:
-    """The `adapter_config.json` PEFT itself would write for this adapter (plain LoRA, no rsLoRA)."""
+    """The `adapter_config.json` PEFT itself would write for this adapter (plain LoRA, no rsLoRA).
+
+    A base on the hub (`hf://ORG/NAME@REV`) is written as PEFT names one, `ORG/NAME` and its
+    revision, so that `AutoPeftModelForCausalLM` and vLLM can resolve it.
+    """
+    base, revision = hyper.base_model, None
+    if base and storage.is_hf(base):
+        base, revision, _ = storage.split_hf(base)
     return {
         "alpha_pattern": {},
-        "base_model_name_or_path": hyper.base_model,
+        "base_model_name_or_path": base,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -165,7 +173,7 @@ def config_json(hyper: LoraHyper) -> dict[str, Any]:
         "peft_type": "LORA",
         "r": hyper.rank,
         "rank_pattern": {},
-        "revision": None,
+        "revision": revision,
         "target_modules": hyper.target_modules if isinstance(hyper.target_modules, str) else sorted(hyper.target_modules),
         "task_type": "CAUSAL_LM",
         "use_dora": False,

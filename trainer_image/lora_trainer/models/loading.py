@@ -75,8 +75,8 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path} is missing: model.source must be an HF checkpoint directory with config.json")
     try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path} is not valid JSON ({e}): re-upload the checkpoint") from e
     if not isinstance(cfg, dict):
         raise UserError(f"{path} must hold a JSON object")
@@ -102,6 +102,11 @@ def build_abstract(family: FamilySpec, hf_config: Mapping[str, Any], dtype: str)
         raise UserError(
             f"config.json has no {e.args[0]!r}, which a {family.name} model needs: use the checkpoint's original "
             "config.json (as written by transformers' save_pretrained)"
+        ) from e
+    except (TypeError, ValueError) as e:  # e.g. "num_hidden_layers": "two"
+        raise UserError(
+            f"config.json does not describe a {family.name} model ({e}): use the checkpoint's original config.json "
+            "(as written by transformers' save_pretrained)"
         ) from e
 
 

@@ -49,10 +49,16 @@ def _header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UserError(f"{path} has a corrupt safetensors header ({e}): re-upload the checkpoint") from e
+    if not isinstance(header, dict):
+        raise UserError(f"{path} has a corrupt safetensors header (a JSON {type(header).__name__}, not an object): re-upload the checkpoint")
     header.pop("__metadata__", None)
     data_start = 8 + n
     for key, info in header.items():
-        begin, end = info["data_offsets"]
+        try:
+            begin, end = info["data_offsets"]
+            end = int(end)
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{path} has a corrupt safetensors header: tensor {key!r} has no valid data_offsets; re-upload the checkpoint") from e
         if data_start + end > size:
             raise UserError(
                 f"{path} is truncated: tensor {key!r} ends at byte {data_start + end} but the file has {size} bytes; "
@@ -70,9 +76,14 @@ class SafetensorsCheckpoint:
         if index.is_file():
             try:
                 weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise UserError(f"{index} is not a valid safetensors index ({e}): re-upload the checkpoint") from e
-            files = sorted(set(weight_map.values()))
+                files = sorted(set(weight_map.values()))
+                if not all(isinstance(f, str) for f in files):
+                    raise TypeError("weight_map values must be file names")
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise UserError(
+                    f"{index} is not a valid safetensors index ({e}); it must be a JSON object whose weight_map maps "
+                    "tensor names to files: re-upload the checkpoint"
+                ) from e
         elif (directory / SINGLE_FILE).is_file():
             files, weight_map = [SINGLE_FILE], {}
         else:
