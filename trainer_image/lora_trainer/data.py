@@ -177,7 +177,8 @@ def _assistant_mask_by_render(tokenizer: Any, messages: list[dict[str, str]], wh
     A reply starts where the render of the turns before it, plus the generation prompt, ends
     (that render must be a prefix of the whole conversation's) and runs through its content and
     the end-of-turn text that follows it in both the whole render and the render that stops after
-    it (whitespace after that text is the template's, never generated, so it carries no loss). Text, not tokens, is compared: templates such as Qwen3's render the last reply differently
+    it (whitespace after that text is the template's, never generated, so it carries no loss).
+    Text, not tokens, is compared: templates such as Qwen3's render the last reply differently
     (an empty `<think>` block) from earlier ones, so a render that stops after an earlier reply is
     no prefix of the whole, but each reply's content is still found in place.
     """
