@@ -37,6 +37,8 @@ Phase = Literal["Pending", "Running", "Suspended", "Exporting", "Succeeded", "Fa
 ALLOWED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
 #: Env var prefixes the operator owns (distributed init, topology); a CR may not override them.
 RESERVED_ENV_PREFIXES = ("JAX_", "MEGASCALE_", "TPU_", "LORA_", "XLA_", "GOOGLE_", "KUBERNETES_")
+#: Whole names the operator sets: the pod's completion index (process ids) and the Secret-backed hub token.
+RESERVED_ENV_NAMES = ("JOB_COMPLETION_INDEX", "HF_TOKEN")
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
@@ -79,15 +81,18 @@ class Resources(ApiModel):
 
 class EnvVar(ApiModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128)]
-    """Variable name; names starting with JAX_, MEGASCALE_, TPU_, LORA_, XLA_, GOOGLE_ or KUBERNETES_ are reserved."""
+    """Variable name; JOB_COMPLETION_INDEX, HF_TOKEN and names starting with JAX_, MEGASCALE_, TPU_, LORA_, XLA_, GOOGLE_ or KUBERNETES_ are reserved."""
     value: Annotated[str, Field(max_length=4096)] = ""
     """Literal value. Secrets are passed by reference only (hfTokenSecretRef), never as env values."""
 
     @field_validator("name")
     @classmethod
     def _not_reserved(cls, v: str) -> str:
-        if v.startswith(RESERVED_ENV_PREFIXES):
-            raise ValueError(f"env name {v!r} is reserved for the operator (prefixes {', '.join(RESERVED_ENV_PREFIXES)}); rename it")
+        if v.startswith(RESERVED_ENV_PREFIXES) or v in RESERVED_ENV_NAMES:
+            raise ValueError(
+                f"env name {v!r} is reserved for the operator ({', '.join(RESERVED_ENV_NAMES)} and the prefixes "
+                f"{', '.join(RESERVED_ENV_PREFIXES)}; the hub token comes from hfTokenSecretRef); rename it"
+            )
         return v
 
 
@@ -107,8 +112,8 @@ class LoraFinetuneSpec(TrainConfig):
     """Trainer image; must be in the operator's image allowlist. Default: the operator's configured trainer image."""
     service_account_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
     """Kubernetes service account of the trainer pods (Workload Identity for the bucket)."""
-    queue_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
-    """Kueue LocalQueue; sets the `kueue.x-k8s.io/queue-name` label on the JobSet."""
+    queue_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=63)] | None = None
+    """Kueue LocalQueue; sets the `kueue.x-k8s.io/queue-name` label on the JobSet (so at most 63 characters, a label value's limit)."""
     priority_class_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
     """PriorityClass of the trainer pods."""
     max_restarts: Annotated[int, Field(ge=0, le=1000)] = 3

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from lora_operator.api import (
     GROUP,
+    RESERVED_ENV_NAMES,
     RESERVED_ENV_PREFIXES,
     VERSION,
     AdapterConversionSpec,
@@ -175,8 +176,12 @@ def _lora_finetune_rules(spec: Schema) -> None:
     ]
     p["env"]["items"]["x-kubernetes-validations"] = [
         _rule(
-            " && ".join(f"!self.name.startsWith('{prefix}')" for prefix in RESERVED_ENV_PREFIXES),
-            f"spec.env[].name: names starting with {', '.join(RESERVED_ENV_PREFIXES)} are reserved for the operator; rename the variable",
+            " && ".join(
+                [f"!self.name.startsWith('{prefix}')" for prefix in RESERVED_ENV_PREFIXES]
+                + [f"self.name != '{name}'" for name in RESERVED_ENV_NAMES]
+            ),
+            f"spec.env[].name: {', '.join(RESERVED_ENV_NAMES)} and names starting with {', '.join(RESERVED_ENV_PREFIXES)} "
+            "are reserved for the operator (the hub token comes from hfTokenSecretRef); rename the variable",
             ".name",
         )
     ]

@@ -9,6 +9,7 @@ never logged, posted or copied.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -136,6 +137,12 @@ def lft_reconcile(
     except NotOwned as e:
         _fail(dict(body), patch, dict(status), "NameConflict", str(e), generation)
         return
+    except ApiException as e:
+        refusal = _refusal(e)
+        if refusal is None:  # anything else may pass (an outage, RBAC being fixed): kopf retries
+            raise
+        _fail(dict(body), patch, dict(status), "InvalidSpec", refusal, generation)
+        return
     if fresh:
         _event("Normal", dict(body), reason="Created", message=f"created ConfigMap {names.config_map} and JobSet {names.jobset}")
 
@@ -200,6 +207,18 @@ def _owner_cr(kube: Kube, child: dict[str, Any], kind: str, label: str) -> dict[
     uid = cr.get("metadata", {}).get("uid")
     refs = child.get("metadata", {}).get("ownerReferences") or []
     return cr if any(r.get("uid") == uid and r.get("controller") for r in refs) else None
+
+
+def _refusal(e: ApiException) -> str | None:
+    """Why the API server (schema, 400/422) or an admission webhook (e.g. JobSet's, 403 "admission
+    webhook ... denied") refused a child, which retrying cannot change; None for any other error."""
+    try:
+        message = str(json.loads(e.body or "{}").get("message") or e.reason)
+    except (ValueError, AttributeError):
+        message = str(e.reason)
+    if e.status in (400, 422) or (e.status == 403 and "admission webhook" in message):
+        return f"the API server refused a child of this run: {message}; fix the spec (or the name) and re-create the resource"
+    return None
 
 
 def _write_status(kube: Kube, cr: dict[str, Any], obs: st.Observation, **fields: Any) -> None:
@@ -303,8 +322,8 @@ def _sync_export(kube: Kube, settings: OperatorSettings, cr: dict[str, Any]) -> 
         fields = {"adapterUri": uris.get("adapter"), "mergedUri": uris.get("merged")}
     elif obs.phase == "Failed":
         obs = st.Observation("Failed", "ExportFailed", obs.message, completion_time=obs.completion_time)
-    else:
-        return  # still exporting
+    else:  # still exporting: the condition says whether the export pod waits or runs
+        obs = st.Observation("Exporting", obs.reason, obs.message)
     _write_status(kube, cr, obs, **fields)
 
 

@@ -8,6 +8,7 @@ reference (so deletion cascades without a finalizer).
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,23 @@ def parse_spec(model: type[M], body: dict[str, Any]) -> M:
 def check_name(name: str) -> None:
     if len(name) > MAX_NAME:
         raise InvalidSpec("metadata.name", f"{name!r} is {len(name)} characters; use at most {MAX_NAME} (pod hostnames are limited to 63)")
+
+
+def check_jobset_name(name: str) -> None:
+    """JobSet's webhook requires DNS-1035 labels for the Job and pod names it derives from the JobSet's.
+
+    Kubernetes accepts `llama3.1-8b` or `8b-run` as a CR name; the JobSet would be refused, so
+    the run fails here, at once, naming the field.
+    """
+    check_name(name)
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
+        fixed = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+        fixed = fixed if fixed[:1].isalpha() else f"run-{fixed}"
+        raise InvalidSpec(
+            "metadata.name",
+            f"{name!r} cannot name a JobSet: JobSet requires DNS-1035 labels (lower-case letters, digits and '-', "
+            f"starting with a letter); re-create the LoraFinetune under a name such as {fixed!r}",
+        )
 
 
 def resolve_image(image: str | None, settings: OperatorSettings) -> str:
@@ -238,7 +256,7 @@ def render_config_map(owner: Owner, spec: LoraFinetuneSpec) -> Manifest:
 
 def render_jobset(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettings) -> Manifest:
     """One replicatedJob of `slices` Indexed Jobs, each `hosts` pods with `chips_per_host` TPU chips."""
-    check_name(owner.name)
+    check_jobset_name(owner.name)
     shape = resolve_tpu(spec, settings)
     image = resolve_image(spec.image, settings)
     names = ChildNames.of(owner.name)

@@ -30,7 +30,7 @@ class OperatorSettings(ApiModel):
     """Image prefixes a CR may use in `spec.image`; anything else is rejected with a Failed condition."""
     default_tpu_type: TpuType = "v5p"
     """TPU type assumed when a CR omits `spec.tpu.type`."""
-    default_queue_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
+    default_queue_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=63)] | None = None  # a label value
     """Kueue LocalQueue used when a CR omits `spec.queueName`; no Kueue label when both are empty."""
     allow_host_network: bool = True
     """Render `hostNetwork: true` on trainer pods: the documented exception to the restricted Pod

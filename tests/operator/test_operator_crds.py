@@ -149,7 +149,11 @@ BAD_LFT: list[tuple[dict[str, Any], str]] = [
     ({"maxRestarts": -1}, "spec.maxRestarts"),
     ({"env": [{"name": "JAX_PLATFORMS", "value": "cpu"}]}, "spec.env[0].name"),
     ({"env": [{"name": "1BAD", "value": "x"}]}, "spec.env.0.name"),
+    # The operator sets these two; a duplicate later in the list would win in Kubernetes.
+    ({"env": [{"name": "JOB_COMPLETION_INDEX", "value": "0"}]}, "spec.env[0].name"),
+    ({"env": [{"name": "HF_TOKEN", "value": "hf_literal"}]}, "spec.env[0].name"),
     ({"queueName": "Not_A_Queue"}, "spec.queueName"),
+    ({"queueName": "q" * 64}, "spec.queueName"),  # it becomes a label value: 63 at most
     ({"serviceAccountName": "UPPER"}, "spec.serviceAccountName"),
     ({"resources": {"limits": {"cpu": "lots"}}}, "spec.resources.limits.cpu"),
     ({"hfTokenSecretRef": {"name": "bad name"}}, "spec.hfTokenSecretRef.name"),

@@ -6,8 +6,9 @@ import asyncio
 import json
 from typing import Any
 
+import kmock
 import pytest
-from k8s_harness import Harness, Rejected
+from k8s_harness import ApiServerEmulator, Harness, Rejected
 
 from lora_operator.settings import OperatorSettings
 
@@ -191,12 +192,40 @@ async def _jobset_suspend_is(h: Harness, name: str, value: bool) -> bool:
     return js is not None and js["spec"]["suspend"] is value
 
 
+class _JobSetWebhook(ApiServerEmulator):
+    """JobSet's validating webhook, refusing every JobSet as it refuses one it finds invalid (HTTP 403)."""
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and request.resource.plural == "jobsets" and request.action == kmock.action.CREATE:
+            raise kmock.KubernetesError(
+                status=403, reason="Forbidden",
+                message='admission webhook "vjobset.kb.io" denied the request: spec.replicatedJobs[0].name: Invalid value',
+            )
+        return await super()._handle(request)
+
+
+async def test_a_child_refused_at_admission_fails_the_run():
+    """Retrying cannot change a webhook's or the schema's verdict: the run fails, saying why (it was
+    Pending "created JobSet" for ever, the create retried without end)."""
+    async with Harness(_JobSetWebhook(strict=False)) as h:
+        await h.start_operator()
+        await h.create(lft("run-w"))
+        failed = _cond((await h.wait_for_status("LoraFinetune", "run-w", _phase("Failed")))["status"], "Failed")
+        assert failed["reason"] == "InvalidSpec"
+        assert 'admission webhook "vjobset.kb.io" denied the request' in failed["message"]
+        await h.wait_for(lambda: _has_event(h, "run-w", "InvalidSpec"), what="InvalidSpec event")
+
+
 async def test_completion_exports_then_succeeds(h):
     await h.create(lft("run-d", output="gs://runs-bucket/run-d"))
     await h.wait_for_status("LoraFinetune", "run-d", _phase("Pending"))
     await h.jobset_running("run-d")
     await h.jobset_condition("run-d", "Completed", "AllJobsCompleted", "jobset completed successfully")
     st = await h.wait_for_status("LoraFinetune", "run-d", _phase("Exporting"))
+    assert _cond(st["status"], "Exporting")["reason"] in ("TrainingCompleted", "ExportPending")
+    await h.patch_status("Job", "run-d-export", {"active": 1, "startTime": "2026-12-04T08:00:00Z"})
+    st = await h.wait_for_status("LoraFinetune", "run-d", lambda s: _cond(s, "Exporting")["reason"] == "ExportRunning")
+    assert st["status"]["phase"] == "Exporting" and _cond(st["status"], "Exporting")["status"] == "True"
     job = await h.get("Job", "run-d-export")
     assert job["spec"]["template"]["spec"]["containers"][0]["command"] == [
         "lora-trainer", "export", "--checkpoint", "gs://runs-bucket/run-d/checkpoints", "--out", "gs://runs-bucket/run-d/hf-adapter"
@@ -346,6 +375,11 @@ async def test_bad_crs_fail_with_the_field_and_others_keep_running(h, caplog):
     everything = json.dumps([o for kind in ("LoraFinetune", "JobSet", "ConfigMap", "Event", "Job") for o in await h.list(kind)])
     assert secret_value not in everything and "aGZfVE9QU0VDUkVU" not in everything
     assert secret_value not in caplog.text
+    # A name Kubernetes accepts but JobSet cannot use for its Jobs and pods (DNS-1035).
+    await h.create(lft("llama3.1-8b"))
+    failed = _cond((await h.wait_for_status("LoraFinetune", "llama3.1-8b", _phase("Failed")))["status"], "Failed")
+    assert failed["reason"] == "InvalidSpec" and "metadata.name" in failed["message"] and "'llama3-1-8b'" in failed["message"]
+    assert await h.get("JobSet", "llama3.1-8b") is None
     # Rejected at admission (schema/CEL) with the field named.
     with pytest.raises(Rejected, match="spec.tpu.topology"):
         await h.create(lft("bad-topo", tpu={"type": "v5e", "topology": "2x2x2"}))
