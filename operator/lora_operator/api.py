@@ -74,9 +74,9 @@ class ResourceList(ApiModel):
 
 class Resources(ApiModel):
     requests: ResourceList | None = None
-    """Requests for the trainer container (cpu, memory, ephemeral-storage; TPU chips are set from `tpu`)."""
+    """Requests for the container (cpu, memory, ephemeral-storage; a LoraFinetune's TPU chips come from `spec.tpu`)."""
     limits: ResourceList | None = None
-    """Limits for the trainer container (cpu, memory, ephemeral-storage)."""
+    """Limits for the container (cpu, memory, ephemeral-storage)."""
 
 
 class EnvVar(ApiModel):
@@ -134,7 +134,7 @@ class LoraFinetuneSpec(TrainConfig):
 
 class Condition(ApiModel):
     type: str
-    """Condition type, e.g. Ready, Running, Succeeded, Failed, Suspended."""
+    """Condition type: Running, Suspended, Exporting, Succeeded, Failed (one True per phase) or SecretsResolved."""
     status: Literal["True", "False", "Unknown"]
     """Status of the condition."""
     reason: str

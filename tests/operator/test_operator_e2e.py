@@ -142,7 +142,7 @@ async def test_a_deleted_jobset_of_a_training_run_is_created_again(h):
     await h.jobset_running("run-j")
     await h.wait_for_status("LoraFinetune", "run-j", _phase("Running"))
     await _deleted_child_comes_back(h, "JobSet", "run-j", "run-j", "JobSetRecreated")
-    await h.jobset_condition("run-j", "Failed", "FailedJobs", "a trainer pod exited 3")
+    await h.jobset_condition("run-j", "Failed", "FailJobSetFailurePolicyAction", "a trainer pod exited 3")
     await h.wait_for_status("LoraFinetune", "run-j", _phase("Failed"))
     await h.delete("JobSet", "run-j")
     await h.gone("JobSet", "run-j")
@@ -266,7 +266,7 @@ async def test_merged_export_needs_both_jobs(h):
 async def test_jobset_failure_fails_the_run_with_a_reason(h):
     await h.create(lft("run-e"))
     await h.wait_for_status("LoraFinetune", "run-e", _phase("Pending"))
-    await h.jobset_condition("run-e", "Failed", "FailedJobs", "jobset failed due to PodFailurePolicy")
+    await h.jobset_condition("run-e", "Failed", "FailJobSetFailurePolicyAction", "jobset failed due to PodFailurePolicy")
     st = await h.wait_for_status("LoraFinetune", "run-e", _phase("Failed"))
     failed = _cond(st["status"], "Failed")
     assert failed["status"] == "True" and failed["reason"] == "TrainingFailed"
