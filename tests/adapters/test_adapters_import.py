@@ -11,6 +11,7 @@ import pytest
 from hf_side import FAMILIES, TOKENS, hf_logits, make_peft_adapter
 from safetensors.numpy import load_file
 
+from lora_trainer import cli, exit_codes
 from lora_trainer.adapters.convert import convert
 from lora_trainer.adapters.logits import jax_logits
 from lora_trainer.adapters.peft_format import CONFIG_NAME, WEIGHTS_NAME
@@ -79,3 +80,13 @@ def test_logits_tool_reads_a_peft_adapter_directly(tiny_base, tmp_path):
     direct = jax_logits(str(base), TOKENS, adapter=str(adapter))
     np.testing.assert_array_equal(direct, jax_logits(str(base), TOKENS, adapter=str(tmp_path / "orbax")))
     np.testing.assert_allclose(direct, hf_logits(base, adapter_dir=adapter), atol=1e-4, rtol=0)
+
+
+def test_logits_tool_refuses_bad_tokens_and_a_directory_as_out(tiny_base, tmp_path, capsys):
+    base = str(tiny_base("llama3"))
+    assert cli.main(["logits", "--base", base, "--tokens", "a,b", "--out", str(tmp_path / "l.npy")]) == exit_codes.USER_ERROR
+    assert "comma-separated integers" in capsys.readouterr().err
+    (tmp_path / "out").mkdir()
+    assert cli.main(["logits", "--base", base, "--tokens", "1,2", "--out", str(tmp_path / "out")]) == exit_codes.USER_ERROR
+    assert "is a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary file left beside it

@@ -91,6 +91,12 @@ def test_a_hub_base_is_named_as_peft_names_it():
     assert (gcs["base_model_name_or_path"], gcs["revision"]) == ("gs://b/m", None)
 
 
+def test_inits_that_leave_the_base_alone_are_plain_lora(tmp_path):
+    for init in (True, False, "gaussian", "eva", "orthogonal"):
+        (tmp_path / str(init)).mkdir()
+        assert pf.read_peft_adapter(_written(tmp_path / str(init), init_lora_weights=init)).hyper.rank == 4
+
+
 def test_missing_alpha_takes_peft_default(tmp_path):
     d = _written(tmp_path)
     cfg = json.loads((d / pf.CONFIG_NAME).read_text())
@@ -113,6 +119,11 @@ def test_rslora_is_folded_into_alpha(tmp_path):
         ({"peft_type": "IA3"}, "only LoRA adapters"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"rank_pattern": {"q_proj": 8}}, "per-module ranks"),
+        # PEFT rewrites the base weights when it loads these: same tensors, other logits.
+        ({"init_lora_weights": "pissa"}, "init_lora_weights is 'pissa': PEFT changes the base weights"),
+        ({"init_lora_weights": "pissa_niter_16"}, "PiSSA, OLoRA, CorDA and LoftQ"),
+        ({"init_lora_weights": "olora"}, "init_lora_weights is 'olora'"),
+        ({"init_lora_weights": "loftq"}, "init_lora_weights is 'loftq'"),
         ({"r": 0}, "r must be a positive integer"),
         ({"lora_dropout": "0.1"}, r"lora_dropout must be a number in \[0, 1\)"),
     ],

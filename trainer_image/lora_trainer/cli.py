@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from lora_trainer import exit_codes
-from lora_trainer.errors import TrainerError, device_oom_message
+from lora_trainer.errors import TrainerError, UserError, device_oom_message
 
 #: Seconds Python's shutdown may take once the exit code is decided; then the process is ended anyway.
 EXIT_GRACE_S = 30.0
@@ -76,7 +76,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "logits":
         from lora_trainer.adapters.logits import write_logits
 
-        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+        try:
+            tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError as e:
+            raise UserError(f"--tokens {args.tokens!r}: give token ids as comma-separated integers, e.g. 1,15043,29871") from e
         write_logits(args.base, tokens, args.out, adapter=args.adapter, dtype=args.dtype)
         return exit_codes.OK
     raise AssertionError(args.command)

@@ -258,10 +258,16 @@ def write_bytes(uri: str, data: bytes) -> None:
             _blob(uri).upload_from_string(data, **_call())
         return
     path = local_path(uri)
+    if path.is_dir():
+        raise UserError(f"{path} is a directory: name a file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_text(uri: str, text: str) -> None:

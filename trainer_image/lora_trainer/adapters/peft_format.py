@@ -107,6 +107,15 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> LoraHyper:
             f"the adapter trains biases (bias={raw.get('bias')!r}, lora_bias={raw.get('lora_bias')!r}); "
             "only bias-free LoRA adapters (bias: none) are supported.",
         )
+    init = raw.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise _config_error(
+            path,
+            f"init_lora_weights is {init!r}: PEFT changes the base weights whenever it loads such an adapter "
+            "(PiSSA, OLoRA, CorDA and LoftQ subtract their initial adapter from the base), which an adapter for the "
+            "unchanged base cannot reproduce; save it from PEFT as a plain LoRA adapter first "
+            "(save_pretrained(..., path_initial_model_for_weight_conversion=...)), or merge it into the base.",
+        )
     refused = {
         "modules_to_save": "fully trained extra modules",
         "rank_pattern": "per-module ranks",
@@ -146,6 +155,10 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> LoraHyper:
         target_modules=tuple(sorted(str(t) for t in targets)),
         base_model=str(base) if base else None,
     )
+
+
+#: `init_lora_weights` values with which PEFT rewrites the base weights on load (not only A and B).
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 
 
 def config_json(hyper: LoraHyper) -> dict[str, Any]:
