@@ -134,6 +134,20 @@ def test_peft_adapter_of_the_multimodal_model_imports(base, tmp_path):
     convert("orbax", "hf-peft", str(tmp_path / "orbax"), str(tmp_path / "back"), base=str(base))
     np.testing.assert_allclose(hf_logits(base, adapter_dir=tmp_path / "back"), expected, atol=1e-5, rtol=0)
 
+    # The same adapter as transformers 4.50-4.51 saved it, its keys under `language_model.model.`.
+    from safetensors.numpy import load_file, save_file
+
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / CONFIG_NAME).write_text((adapter / CONFIG_NAME).read_text())
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    save_file({k.replace(".model.language_model.", ".language_model.model."): v for k, v in tensors.items()},
+              legacy / "adapter_model.safetensors")
+    convert("hf-peft", "orbax", str(legacy), str(tmp_path / "legacy-orbax"), base=str(base))
+    legacy_tree, _ = read_lora(str(tmp_path / "legacy-orbax"))
+    assert sorted(legacy_tree) == sorted(tree)
+    assert all(np.array_equal(legacy_tree[m][n], tree[m][n]) for m in tree for n in tree[m])
+
 
 def test_released_sparse_config_reads_as_transformers_reads_it():
     from lora_trainer.models.families import gemma3_model

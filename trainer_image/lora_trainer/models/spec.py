@@ -138,7 +138,17 @@ class FamilySpec:
         raise KeyError(module_path)
 
     def target_for_hf_module(self, hf_module: str) -> tuple[LoraTarget, int]:
-        """The LoraTarget and layer index of an HF module name (`model.layers.3.self_attn.q_proj`)."""
+        """The LoraTarget and layer index of an HF module name (`model.layers.3.self_attn.q_proj`).
+
+        A multimodal decoder's module may also carry its stored-tensor prefix: transformers 4.50-4.51
+        named the modules so (`language_model.model.layers...`), PEFT adapters saved then keep those
+        keys, and PEFT still loads them on today's models.
+        """
+        if self.multimodal and self.nested_text is not None:
+            for prefix in self.nested_text.tensor_prefixes:
+                if hf_module.startswith(prefix):
+                    hf_module = self.nested_text.module_prefix + hf_module[len(prefix) :]
+                    break
         for target in self.lora_targets:
             prefix, suffix = target.hf.split("{i}")
             if hf_module.startswith(prefix) and hf_module.endswith(suffix):
