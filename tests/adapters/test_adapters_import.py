@@ -90,3 +90,25 @@ def test_logits_tool_refuses_bad_tokens_and_a_directory_as_out(tiny_base, tmp_pa
     assert cli.main(["logits", "--base", base, "--tokens", "1,2", "--out", str(tmp_path / "out")]) == exit_codes.USER_ERROR
     assert "is a directory" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary file left beside it
+
+
+def test_an_adapter_on_some_layers_exports_a_config_naming_only_its_modules(tiny_base, tmp_path):
+    """Short names in `target_modules` would make PEFT wrap every layer (and train the extra ones)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from vllm_side import load_in_vllm
+
+    base = tiny_base("llama3")
+    adapter = make_peft_adapter(base, tmp_path / "peft", targets=r"model\.layers\.1\.(self_attn\.q_proj|mlp\.down_proj)", seed=4)
+    convert("hf-peft", "orbax", str(adapter), str(tmp_path / "orbax"), base=str(base))
+    assert read_metadata(str(tmp_path / "orbax"))["numLayers"] == 2
+    convert("orbax", "hf-peft", str(tmp_path / "orbax"), str(tmp_path / "back"), base=str(base))
+    targets = json.loads((tmp_path / "back" / CONFIG_NAME).read_text())["target_modules"]
+    assert targets == r"(model\.layers\.1\.mlp\.down_proj|model\.layers\.1\.self_attn\.q_proj)"
+    wrapped = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(tmp_path / "back"))
+    assert sorted(n.removesuffix(".lora_A") for n, _ in wrapped.named_modules() if n.endswith(".lora_A")) == [
+        "base_model.model.model.layers.1.mlp.down_proj", "base_model.model.model.layers.1.self_attn.q_proj",
+    ]  # fmt: skip
+    np.testing.assert_allclose(hf_logits(base, adapter_dir=tmp_path / "back"), hf_logits(base, adapter_dir=adapter), atol=1e-5, rtol=0)
+    got = load_in_vllm(tmp_path / "back", base)
+    assert got["ok"] and (got["modules"], got["tensors"]) == (2, 4), got

@@ -401,6 +401,7 @@ class _Run:
             "dropout": cfg.lora.dropout,
             "targetModules": resolve_target_regex(cfg.lora.target_modules, loaded.family),
             "quantization": cfg.lora.quantization.to_wire() if cfg.lora.quantization else None,
+            "numLayers": loaded.family.num_layers(loaded.hf_config),
         }
         resume_step = checkpoint.latest_committed_step(self.root)
         if resume_step is not None:

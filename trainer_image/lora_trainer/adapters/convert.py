@@ -64,6 +64,7 @@ def imported_metadata(adapter: PeftLoraAdapter, tree: LoraTree, base: BaseShapes
         "targetModules": target_regex(tree, base.family, base.weight_shapes),
         "quantization": None,
         "modulePaths": sorted(tree),
+        "numLayers": base.family.num_layers(base.hf_config),
     }
 
 
@@ -104,7 +105,7 @@ def convert(
     tree, metadata = read_lora(source)
     if metadata["family"] != shapes.family.name:
         raise UserError(f"the checkpoint at {source} is a {metadata['family']} adapter but --base {base} is a {shapes.family.name} model")
-    adapter = adapter_from_checkpoint(tree, metadata, base=base, family=shapes.family)
+    adapter = adapter_from_checkpoint(tree, metadata, base=base, family=shapes.family, num_layers=shapes.family.num_layers(shapes.hf_config))
     # The Orbax side may come from anywhere: check it fits --base before writing.
     peft_to_lora_tree(adapter.modules, shapes.family, shapes.weight_shapes, rank=adapter.hyper.rank)
     write_adapter_output(adapter, out, merged=merged, base=base)

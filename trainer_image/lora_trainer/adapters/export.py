@@ -27,10 +27,13 @@ def adapter_from_checkpoint(
     *,
     base: str | None = None,
     family: FamilySpec | None = None,
+    num_layers: int | None = None,
 ) -> PeftLoraAdapter:
     """The PEFT form of a checkpoint's LoRA tree; refuses non-finite values, naming the module.
 
     HF module names are those of the family the metadata records, or of `family` (a given base's).
+    The base's layer count (`num_layers`, else the metadata's `numLayers`, absent in older
+    checkpoints) lets `target_modules` name exactly the modules of an adapter on some layers only.
     """
     for path, params in tree.items():
         for name, arr in params.items():
@@ -45,7 +48,7 @@ def adapter_from_checkpoint(
         rank=int(metadata["rank"]),
         alpha=float(metadata["alpha"]),
         dropout=float(metadata.get("dropout") or 0.0),
-        target_modules=peft_target_modules(modules, family),
+        target_modules=peft_target_modules(modules, family, num_layers if num_layers is not None else metadata.get("numLayers")),
         base_model=base or metadata.get("baseModel"),
     )
     return PeftLoraAdapter(hyper=hyper, modules=modules)

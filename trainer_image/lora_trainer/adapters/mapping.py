@@ -122,11 +122,21 @@ def short_names(hf_modules: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted({m.rsplit(".", 1)[-1] for m in hf_modules}))
 
 
-def peft_target_modules(hf_modules: Iterable[str], family: FamilySpec) -> tuple[str, ...] | str:
+def peft_target_modules(hf_modules: Iterable[str], family: FamilySpec, num_layers: int | None = None) -> tuple[str, ...] | str:
     """PEFT's `target_modules` for an adapter on these HF modules: their short names, or for the
     decoder of a multimodal model a regex that keeps them inside it (the vision tower has its own
-    `q_proj`, `k_proj` and `v_proj`, which short names would adapt too)."""
-    names = short_names(hf_modules)
+    `q_proj`, `k_proj` and `v_proj`, which short names would adapt too).
+
+    An adapter on some layers only (`num_layers` known, the base's) gets a regex of exactly its
+    modules: short names would make PEFT wrap every layer (and train the extra ones when the
+    adapter is trained further).
+    """
+    modules = sorted(set(hf_modules))
+    names = short_names(modules)
+    if num_layers is not None:
+        every = {expand(t.hf, i) for t in family.lora_targets if t.hf.rsplit(".", 1)[-1] in names for i in range(num_layers)}
+        if set(modules) != every:
+            return "(" + "|".join(re.escape(m) for m in modules) + ")"
     if not family.multimodal:
         return names
     assert family.nested_text is not None
