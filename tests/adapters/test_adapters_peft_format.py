@@ -178,3 +178,10 @@ def test_nan_and_stray_keys_name_the_key(tmp_path):
     save_file({f"base_model.model.{MODULE}.lora_A.weight": np.ones((4, 32), np.float32)}, str(d / pf.WEIGHTS_NAME))
     with pytest.raises(UserError, match="no lora_B.weight"):
         pf.read_peft_adapter(d)
+    # A model's state_dict saved by hand, not by PEFT: the key says what to do.
+    save_file({f"base_model.model.{MODULE}.lora_A.default.weight": np.ones((4, 32), np.float32)}, str(d / pf.WEIGHTS_NAME))
+    with pytest.raises(UserError, match="still carries the adapter name 'default'.*save_pretrained"):
+        pf.read_peft_adapter(d)
+    save_file({f"{MODULE}.lora_A.weight": np.ones((4, 32), np.float32)}, str(d / pf.WEIGHTS_NAME))
+    with pytest.raises(UserError, match="lacks PEFT's 'base_model.model.' prefix"):
+        pf.read_peft_adapter(d)

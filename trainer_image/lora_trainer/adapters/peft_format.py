@@ -223,16 +223,26 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _unexpected_key(key: str) -> str:
+    """Why a tensor is not one of a plain PEFT LoRA adapter's, and what to do about it."""
+    lora = re.search(r"\.lora_[AB](\.[^.]+)?\.weight$", key)
+    if lora and lora[1]:
+        return (f"still carries the adapter name {lora[1][1:]!r} (as a model's state_dict does); save the adapter with "
+                "PEFT's save_pretrained, which writes base_model.model.<module>.lora_A.weight")
+    if lora and not key.startswith(KEY_PREFIX):
+        return (f"lacks PEFT's {KEY_PREFIX!r} prefix; save the adapter with PEFT's save_pretrained, or prefix every "
+                "key with it")
+    return ("is not a LoRA weight (expected base_model.model.<module>.lora_A.weight or .lora_B.weight); embeddings "
+            "LoRA, biases, DoRA magnitudes and saved full modules are not supported")
+
+
 def group_modules(tensors: Mapping[str, np.ndarray], hyper: LoraHyper, path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Pair `lora_A`/`lora_B` tensors per module and check names, ranks and values."""
     halves: dict[str, dict[str, np.ndarray]] = {}
     for key, arr in tensors.items():
         m = _KEY_RE.match(key)
         if m is None:
-            raise UserError(
-                f"{path}: tensor {key!r} is not a LoRA weight (expected base_model.model.<module>.lora_A.weight or "
-                ".lora_B.weight); embeddings LoRA, biases, DoRA magnitudes and saved full modules are not supported"
-            )
+            raise UserError(f"{path}: tensor {key!r} {_unexpected_key(key)}")
         if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
             raise UserError(f"{path}: tensor {key!r} has dtype {arr.dtype}, expected a floating-point dtype")
         if arr.ndim != 2:
