@@ -10,6 +10,11 @@ from lora_trainer.config import TrainConfig, dump_train_config, load_train_confi
 MINIMAL = {"model": {"source": "gs://models/llama"}, "dataset": {"train": "data/train.jsonl"}, "output": {"uri": "gs://runs/a"}}
 
 
+def test_numbers_in_yaml_stay_numbers():
+    cfg = TrainConfig.model_validate({**MINIMAL, "training": {"learningRate": "2e-4", "steps": 5}})  # YAML reads 2e-4 as a string
+    assert cfg.training.learning_rate == 2e-4 and cfg.training.steps == 5
+
+
 def test_round_trip_through_the_configmap_format(tmp_path):
     cfg = TrainConfig.model_validate(MINIMAL)
     path = tmp_path / "config.json"
@@ -29,7 +34,11 @@ def test_round_trip_through_the_configmap_format(tmp_path):
         ({"training": {"globalBatchSize": 6, "gradientAccumulation": 4}}, "training"),
         ({"training": {"evalEvery": 10}}, "evalEvery"),
         ({"lora": {"rnak": 8}}, "lora.rnak"),
-        ({"training": {"seed": -1}}, "training.seed"),  # numpy's shuffle takes no negative seed
+        ({"training": {"seed": -1}}, "training.seed"),
+        # What the CRD schema refuses, pydantic's lax mode would take (true as 1, "4" as 4).
+        ({"training": {"steps": True}}, "training.steps"),
+        ({"lora": {"rank": "4"}}, "lora.rank"),
+        ({"dataset": {"train": "d.jsonl", "packing": "yes"}}, "dataset.packing"),  # numpy's shuffle takes no negative seed
     ],
 )
 def test_bad_input_names_the_field(patch, field):

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from lora_trainer.errors import UserError
@@ -46,6 +46,19 @@ class ApiModel(BaseModel):
         use_attribute_docstrings=True,
         validate_default=True,
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _as_the_schema_types_it(cls, value: Any, info: ValidationInfo) -> Any:
+        """Integers and booleans as the CRD schema takes them: pydantic's lax mode would read
+        `steps: true` as 1 and `rank: "4"` as 4, which `kubectl apply` refuses, so `lora-trainer`
+        and `run-local` refuse them too. Numbers stay lax: YAML reads `2e-4` as a string."""
+        types = set(get_args(cls.model_fields[info.field_name].annotation)) or {cls.model_fields[info.field_name].annotation}
+        if int in types and isinstance(value, bool | str):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if bool in types and types <= {bool, type(None)} and value is not None and not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
 
     def to_wire(self) -> dict[str, Any]:
         """The object as it appears in YAML/JSON: camelCase, defaults included, None dropped."""
