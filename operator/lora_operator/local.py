@@ -185,6 +185,7 @@ class ProgressView:
         self.out = out
         self.live = live
         self.line = ""
+        self.printed = ""
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self.live:
@@ -192,7 +193,11 @@ class ProgressView:
             self.line = progress_line(record, bar_width=max(10, min(30, width - 70)))[: width - 1].ljust(width - 1)
             self.out.write("\r" + self.line)
         else:
-            self.out.write(progress_line(record) + "\n")
+            text = progress_line(record)
+            if text == self.printed:  # the same step again, now naming its checkpoint: nothing new to show
+                return
+            self.printed = text
+            self.out.write(text + "\n")
         self.out.flush()
 
     def clear(self) -> None:

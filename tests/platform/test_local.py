@@ -138,6 +138,7 @@ def test_progress_view_redraws_on_a_terminal_and_prints_lines_otherwise() -> Non
     view = local.ProgressView(plain, live=False)
     for r in records:
         view(r)
+        view({**r, "lastCheckpoint": f"out/checkpoints/{r['step']}"})  # the trainer's record again once its checkpoint committed
     view.close()
     assert plain.getvalue().splitlines() == [local.progress_line(r) for r in records]
     live = io.StringIO()
