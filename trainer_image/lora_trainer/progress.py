@@ -154,10 +154,7 @@ class ProgressSink:
         for name, value in {**scalars, **(extra_scalars or {})}.items():
             if value is not None:
                 self._tb.add_scalar(f"train/{name}", value, record["step"])
-        storage.write_text(self._progress_uri, json.dumps(record, indent=2) + "\n")
-        self._last = record
-        if self._on_progress is not None:
-            self._on_progress(dict(record))
+        self._publish(record)
 
     def checkpointed(self, uri: str) -> None:
         """A checkpoint committed: progress.json and the callback name it now, not at the next interval.
@@ -167,10 +164,14 @@ class ProgressSink:
         """
         if not self.primary or self._last is None:
             return
-        self._last = {**self._last, "lastCheckpoint": uri}
-        storage.write_text(self._progress_uri, json.dumps(self._last, indent=2) + "\n")
+        self._publish({**self._last, "lastCheckpoint": uri})
+
+    def _publish(self, record: dict[str, Any]) -> None:
+        """The operator's channel (progress.json, rewritten whole) and the callback get `record`."""
+        storage.write_text(self._progress_uri, json.dumps(record, indent=2) + "\n")
+        self._last = record
         if self._on_progress is not None:
-            self._on_progress(dict(self._last))
+            self._on_progress(dict(record))
 
     def scalar(self, name: str, value: float, step: int) -> None:
         """An extra TensorBoard scalar (e.g. eval loss), also as a metrics.jsonl line."""
