@@ -53,7 +53,8 @@ class ApiModel(BaseModel):
         """Integers and booleans as the CRD schema takes them: pydantic's lax mode would read
         `steps: true` as 1 and `rank: "4"` as 4, which `kubectl apply` refuses, so `lora-trainer`
         and `run-local` refuse them too. Numbers stay lax: YAML reads `2e-4` as a string."""
-        types = set(get_args(cls.model_fields[info.field_name].annotation)) or {cls.model_fields[info.field_name].annotation}
+        annotation = cls.model_fields[info.field_name].annotation
+        types = set(get_args(annotation)) or {annotation}
         if int in types and isinstance(value, bool | str):
             raise ValueError(f"expected an integer, got {value!r}")
         if bool in types and types <= {bool, type(None)} and value is not None and not isinstance(value, bool):
