@@ -9,7 +9,6 @@ never logged, posted or copied.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -18,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 
 from lora_operator import status as st
 from lora_operator.api import API_VERSION, GROUP, VERSION, AdapterConversionSpec, LoraFinetuneSpec
-from lora_operator.kube import Kube, NotOwned
+from lora_operator.kube import CannotCreate, Kube
 from lora_operator.progress import progress_status, read_progress
 from lora_operator.render import (
     ADC_LABEL,
@@ -131,17 +130,11 @@ def lft_reconcile(
     if fresh:  # written before the children exist, so every JobSet-driven status write lands after it
         kube.merge_patch(API_VERSION, "LoraFinetune", meta["namespace"], meta["name"],
                          {"status": _initial_status(spec, shape, names, dict(status), generation)}, status=True)
-    try:
+    try:  # any other error may pass (an outage, RBAC being fixed): kopf retries
         for m in manifests:
             kube.create_or_adopt(m)
-    except NotOwned as e:
-        _fail(dict(body), patch, dict(status), "NameConflict", str(e), generation)
-        return
-    except ApiException as e:
-        refusal = _refusal(e)
-        if refusal is None:  # anything else may pass (an outage, RBAC being fixed): kopf retries
-            raise
-        _fail(dict(body), patch, dict(status), "InvalidSpec", refusal, generation)
+    except CannotCreate as e:
+        _fail(dict(body), patch, dict(status), e.reason, str(e), generation)
         return
     if fresh:
         _event("Normal", dict(body), reason="Created", message=f"created ConfigMap {names.config_map} and JobSet {names.jobset}")
@@ -209,18 +202,6 @@ def _owner_cr(kube: Kube, child: dict[str, Any], kind: str, label: str) -> dict[
     return cr if any(r.get("uid") == uid and r.get("controller") for r in refs) else None
 
 
-def _refusal(e: ApiException) -> str | None:
-    """Why the API server (schema, 400/422) or an admission webhook (e.g. JobSet's, 403 "admission
-    webhook ... denied") refused a child, which retrying cannot change; None for any other error."""
-    try:
-        message = str(json.loads(e.body or "{}").get("message") or e.reason)
-    except (ValueError, AttributeError):
-        message = str(e.reason)
-    if e.status in (400, 422) or (e.status == 403 and "admission webhook" in message):
-        return f"the API server refused a child of this run: {message}; fix the spec (or the name) and re-create the resource"
-    return None
-
-
 def _write_status(kube: Kube, cr: dict[str, Any], obs: st.Observation, **fields: Any) -> None:
     """Patch the CR's status if anything changed; post an Event when the phase or restarts change."""
     current = cr.get("status") or {}
@@ -257,9 +238,8 @@ def _recreate_jobset(kube: Kube, settings: OperatorSettings, cr: dict[str, Any])
     try:
         for manifest in render_lora_finetune(cr, settings):
             kube.create_or_adopt(manifest)
-    except (InvalidSpec, NotOwned) as e:  # as in reconcile (the settings changed, or the name was taken)
-        reason = "InvalidSpec" if isinstance(e, InvalidSpec) else "NameConflict"
-        _write_status(kube, cr, st.Observation("Failed", reason, f"the JobSet was deleted and cannot be created again: {e}"))
+    except (InvalidSpec, CannotCreate) as e:  # as in reconcile (the settings changed, the name was taken, refused)
+        _write_status(kube, cr, st.Observation("Failed", e.reason, f"the JobSet was deleted and cannot be created again: {e}"))
         return
     _event("Warning", cr, reason="JobSetRecreated",
            message=f"the JobSet was deleted while the run was {phase}; created it again, training resumes from the last "
@@ -282,7 +262,7 @@ def _start_export(kube: Kube, cr: dict[str, Any], settings: OperatorSettings, ob
         jobs = render_export_jobs(Owner.from_body(cr), spec, settings)
         for job in jobs:
             kube.create_or_adopt(job)
-    except (InvalidSpec, NotOwned) as e:
+    except (InvalidSpec, CannotCreate) as e:
         _write_status(kube, cr, st.Observation("Failed", "ExportFailed", f"cannot start the export: {e}", obs.restarts))
         return
     if not jobs:
@@ -312,8 +292,12 @@ def _sync_export(kube: Kube, settings: OperatorSettings, cr: dict[str, Any]) -> 
     if None in jobs:
         # Created before the phase became Exporting, so a missing one was deleted (by hand, or by its
         # TTL while the operator was away): export again; it rewrites the same files from the checkpoint.
-        for job in render_export_jobs(Owner.from_body(cr), spec, settings):
-            kube.create_or_adopt(job)
+        try:
+            for job in render_export_jobs(Owner.from_body(cr), spec, settings):
+                kube.create_or_adopt(job)
+        except (InvalidSpec, CannotCreate) as e:
+            _write_status(kube, cr, st.Observation("Failed", "ExportFailed", f"an export Job was deleted and cannot be created again: {e}"))
+            return
         _event("Warning", cr, reason="ExportRecreated", message="an export Job was deleted before it finished; created it again")
         return
     obs = st.combine_jobs([st.observe_job(j, "export") for j in jobs])
@@ -349,8 +333,8 @@ def adc_reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: 
                               {"status": st.status_patch({}, obs, generation, st.now_rfc3339(), jobName=name)}, status=True)
     try:
         memo.kube.create_or_adopt(job)
-    except NotOwned as e:
-        _fail(dict(body), patch, dict(status), "NameConflict", str(e), generation)
+    except CannotCreate as e:
+        _fail(dict(body), patch, dict(status), e.reason, str(e), generation)
         return
     if fresh:
         _event("Normal", dict(body), reason="Created", message=f"created conversion Job {name}")
@@ -365,7 +349,11 @@ def conversion_job_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_
         return
     if type == "DELETED":
         if not cr["metadata"].get("deletionTimestamp"):
-            kube.create_or_adopt(render_conversion_job(Owner.from_body(cr), parse_spec(AdapterConversionSpec, cr), memo.settings))
+            try:
+                kube.create_or_adopt(render_conversion_job(Owner.from_body(cr), parse_spec(AdapterConversionSpec, cr), memo.settings))
+            except (InvalidSpec, CannotCreate) as e:
+                _write_status(kube, cr, st.Observation("Failed", e.reason, f"the conversion Job was deleted and cannot be created again: {e}"))
+                return
             _event("Warning", cr, reason="ConversionRecreated", message="the conversion Job was deleted before it finished; created it again")
         return
     obs = st.observe_job(dict(body), "conversion")

@@ -26,8 +26,33 @@ PLURALS = {
 }
 
 
-class NotOwned(RuntimeError):
+class CannotCreate(RuntimeError):
+    """A child that retrying will not create as rendered; `reason` is the CR condition's reason."""
+
+    reason = "InvalidSpec"
+
+
+class NotOwned(CannotCreate):
     """A child name is taken by an object that this CR does not own."""
+
+    reason = "NameConflict"
+
+
+class Refused(CannotCreate):
+    """The API server (schema, 400/422) or an admission webhook (e.g. JobSet's, 403 "admission
+    webhook ... denied") refused the child: its verdict does not change on a retry."""
+
+
+def refusal(e: ApiException) -> str | None:
+    """The server's message when `e` is a refusal that retrying cannot change; None for any other
+    error (an outage, RBAC being fixed), which the caller lets kopf retry."""
+    try:
+        message = str(json.loads(e.body or "{}").get("message") or e.reason)
+    except (ValueError, AttributeError):
+        message = str(e.reason)
+    if e.status in (400, 422) or (e.status == 403 and "admission webhook" in message):
+        return message
+    return None
 
 
 def _path(api_version: str, kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
@@ -68,14 +93,21 @@ class Kube:
             raise
 
     def create_or_adopt(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Create; on 409 return the existing object if it is owned by the same controller."""
+        """Create; on 409 return the existing object if it is owned by the same controller.
+        Raises CannotCreate when retrying cannot help (refused, or the name is someone else's)."""
         meta = manifest["metadata"]
         path = _path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
         try:
             return self._call("POST", path, manifest)
         except ApiException as e:
             if e.status != 409:
-                raise
+                message = refusal(e)
+                if message is None:
+                    raise
+                raise Refused(
+                    f"the API server refused {manifest['kind']} {meta['name']}: {message}; fix the spec (or the name) "
+                    "and re-create the resource"
+                ) from e
         existing = self.get(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
         if existing is None:  # deleted between the two calls: let the handler retry
             raise RuntimeError(f"{manifest['kind']} {meta['name']} vanished after a conflict; retrying")

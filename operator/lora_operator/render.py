@@ -46,6 +46,8 @@ MAX_NAME = 40
 class InvalidSpec(ValueError):
     """The CR cannot be run as written; `field` is the offending path, the message says the fix."""
 
+    reason = "InvalidSpec"  # the condition reason, as CannotCreate's
+
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field

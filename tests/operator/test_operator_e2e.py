@@ -192,28 +192,80 @@ async def _jobset_suspend_is(h: Harness, name: str, value: bool) -> bool:
     return js is not None and js["spec"]["suspend"] is value
 
 
-class _JobSetWebhook(ApiServerEmulator):
-    """JobSet's validating webhook, refusing every JobSet as it refuses one it finds invalid (HTTP 403)."""
+class _AdmissionWebhook(ApiServerEmulator):
+    """A validating webhook (JobSet's, or a policy engine's on Jobs) refusing every create of one
+    resource while `refusing`, as it refuses an object it finds invalid (HTTP 403)."""
+
+    def __init__(self, plural: str, *, refusing: bool = True) -> None:
+        super().__init__(strict=False)
+        self.plural = plural
+        self.refusing = refusing
 
     async def _handle(self, request: kmock.Request) -> Any:
-        if request.resource is not None and request.resource.plural == "jobsets" and request.action == kmock.action.CREATE:
+        if (self.refusing and request.resource is not None and request.resource.plural == self.plural
+                and request.action == kmock.action.CREATE):
             raise kmock.KubernetesError(
                 status=403, reason="Forbidden",
-                message='admission webhook "vjobset.kb.io" denied the request: spec.replicatedJobs[0].name: Invalid value',
+                message=f'admission webhook "v{self.plural}.kb.io" denied the request: spec.template: Invalid value',
             )
         return await super()._handle(request)
+
+
+async def _failed_by_webhook(h: Harness, kind: str, name: str, reason: str, plural: str) -> str:
+    """The CR ends Failed with `reason`, its message quoting the webhook; returns the message."""
+    failed = _cond((await h.wait_for_status(kind, name, _phase("Failed")))["status"], "Failed")
+    assert failed["reason"] == reason
+    assert f'admission webhook "v{plural}.kb.io" denied the request' in failed["message"]
+    return failed["message"]
 
 
 async def test_a_child_refused_at_admission_fails_the_run():
     """Retrying cannot change a webhook's or the schema's verdict: the run fails, saying why (it was
     Pending "created JobSet" for ever, the create retried without end)."""
-    async with Harness(_JobSetWebhook(strict=False)) as h:
+    async with Harness(_AdmissionWebhook("jobsets")) as h:
         await h.start_operator()
         await h.create(lft("run-w"))
-        failed = _cond((await h.wait_for_status("LoraFinetune", "run-w", _phase("Failed")))["status"], "Failed")
-        assert failed["reason"] == "InvalidSpec"
-        assert 'admission webhook "vjobset.kb.io" denied the request' in failed["message"]
+        await _failed_by_webhook(h, "LoraFinetune", "run-w", "InvalidSpec", "jobsets")
         await h.wait_for(lambda: _has_event(h, "run-w", "InvalidSpec"), what="InvalidSpec event")
+
+
+async def test_every_child_refused_at_admission_fails_its_resource():
+    """The same verdict for each child the operator creates later: a deleted JobSet created again,
+    the export Jobs, the conversion Job, and a conversion Job created again (each was retried
+    without end, or left the resource in a stale phase with the error only in the operator's log)."""
+    webhook = _AdmissionWebhook("jobsets", refusing=False)
+    async with Harness(webhook) as h:
+        await h.start_operator()
+        await h.create(lft("run-r"))
+        await h.jobset_running("run-r")
+        await h.wait_for_status("LoraFinetune", "run-r", _phase("Running"))
+        webhook.refusing = True
+        await h.delete("JobSet", "run-r")
+        message = await _failed_by_webhook(h, "LoraFinetune", "run-r", "InvalidSpec", "jobsets")
+        assert message.startswith("the JobSet was deleted and cannot be created again")
+
+        webhook.refusing = False
+        await h.create(lft("run-x", output="gs://runs-bucket/run-x"))
+        await h.jobset_condition("run-x", "Completed", "AllJobsCompleted", "jobset completed successfully")
+        await h.wait_for_status("LoraFinetune", "run-x", _phase("Exporting"))
+        webhook.plural, webhook.refusing = "jobs", True
+        await h.delete("Job", "run-x-export")
+        message = await _failed_by_webhook(h, "LoraFinetune", "run-x", "ExportFailed", "jobs")
+        assert message.startswith("an export Job was deleted and cannot be created again")
+
+        webhook.refusing = False
+        await h.create(adc("conv-r"))
+        await h.wait_for(lambda: h.get("Job", "conv-r-convert"), what="conversion Job")
+        webhook.refusing = True
+        await h.delete("Job", "conv-r-convert")
+        await _failed_by_webhook(h, "AdapterConversion", "conv-r", "InvalidSpec", "jobs")
+
+        await h.create(adc("conv-w"))
+        await _failed_by_webhook(h, "AdapterConversion", "conv-w", "InvalidSpec", "jobs")
+        await h.create(lft("run-e", output="gs://runs-bucket/run-e"))
+        await h.jobset_condition("run-e", "Completed", "AllJobsCompleted", "jobset completed successfully")
+        message = await _failed_by_webhook(h, "LoraFinetune", "run-e", "ExportFailed", "jobs")
+        assert message.startswith("cannot start the export") and "run-e-export" in message
 
 
 async def test_completion_exports_then_succeeds(h):
