@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -58,7 +57,7 @@ def checkpoint_root(output_uri: str) -> str:
 def _path(uri: str) -> epath.Path:
     """An etils path for Orbax: gs:// stays a URI (gcsfs/TensorStore), `file://` becomes a plain path."""
     # Absolute: TensorStore refuses a relative path with `..` in it ("Invalid file path").
-    return epath.Path(uri if storage.is_gcs(uri) else os.path.abspath(storage.local_path(uri)))
+    return epath.Path(uri if storage.is_gcs(uri) else storage.absolute_local_path(uri))
 
 
 #: Markers of a transient fault in errors TensorStore (ValueError) and gcsfs raise for gs:// I/O.

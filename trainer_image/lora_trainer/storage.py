@@ -126,6 +126,12 @@ def local_path(uri: str | os.PathLike[str]) -> Path:
     return Path(s[len("file://") :] if s.startswith("file://") else s)
 
 
+def absolute_local_path(uri: str | os.PathLike[str]) -> Path:
+    """`local_path`, absolute, with `.` and `..` resolved by name (`Path.parent` of `out/..` is
+    `out`, not the directory `..` names); symlinks are kept, as the user wrote them."""
+    return Path(os.path.abspath(local_path(uri)))
+
+
 def join(uri: str, *parts: str) -> str:
     """Join path parts onto a local path or a gs:// URI."""
     s = os.fspath(uri)
@@ -395,7 +401,7 @@ def check_output_location(uri: str, field: str) -> None:
                     f"gs://{bucket}) or point {field} at an existing bucket"
                 ) from e
         return
-    path = Path(os.path.abspath(local_path(uri)))
+    path = absolute_local_path(uri)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -444,7 +450,7 @@ def staged_output_dir(uri: str) -> Iterator[Path]:
             upload_dir(tmp, uri)
             write_text(join(uri, COMPLETE_MARKER), "")
         return
-    dest = Path(os.path.abspath(local_path(uri)))  # `.` and `..` name real directories
+    dest = absolute_local_path(uri)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
