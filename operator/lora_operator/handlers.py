@@ -54,6 +54,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.execution.max_workers = 16
+    # A sync timer cannot be cancelled mid-read (gs:// progress): kopf re-checks whether it has exited
+    # this often, and a CR being deleted waits for that (its default, 60 s, held deletions for a minute).
+    settings.background.cancellation_polling = 1
 
 
 def _event(type: str, body: dict[str, Any], *, reason: str, message: str) -> None:
@@ -115,6 +118,14 @@ def lft_reconcile(
         spec = parse_spec(LoraFinetuneSpec, dict(body))
         shape = resolve_tpu(spec, settings)
     except InvalidSpec as e:
+        if status.get("jobSetName") and kube.get(JOBSET_API, "JobSet", meta["namespace"], status["jobSetName"]) is not None:
+            # The spec cannot change, so the operator's settings did (a narrower image allowlist or TPU
+            # catalog after a restart): the run was admitted and its JobSet trains on; failing it would
+            # leave the TPUs busy under a Failed run whose completion nobody exports.
+            _event("Warning", dict(body), reason="SettingsChanged",
+                   message=f"the operator's settings now refuse this spec ({e}); this run was admitted before and "
+                           "keeps running, new runs like it are refused")
+            return
         _fail(dict(body), patch, dict(status), "InvalidSpec", f"{e}", generation)
         return
     try:
@@ -144,6 +155,10 @@ def lft_suspend(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, new: Any,
     """spec.suspend changed: suspend or resume the JobSet (pods go; the run resumes from its checkpoint)."""
     if status.get("phase") in st.TERMINAL or not status.get("jobSetName"):
         return
+    if status.get("phase") == "Exporting":  # training is over: nothing left to suspend
+        _event("Normal", dict(body), reason="SuspendIgnored",
+               message="training has finished and the adapter is being exported; spec.suspend has no effect now")
+        return
     suspend = bool(new)
     try:
         jobset = memo.kube.merge_patch(JOBSET_API, "JobSet", meta["namespace"], status["jobSetName"], {"spec": {"suspend": suspend}})
@@ -162,14 +177,18 @@ def lft_suspend(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, new: Any,
            if suspend else "resumed by spec.suspend=false; training continues from the last checkpoint")
 
 
-def lft_progress(spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch, **_: Any) -> None:
-    """Timer while Running: copy `<output.uri>/progress.json` into status (no API rights for pods)."""
+def _progress_fields(spec: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    """The status fields that `<output.uri>/progress.json` changes (none while there is no record)."""
     record = read_progress(spec["output"]["uri"])
     if record is None:
-        return
+        return {}
     fields = progress_status(record, int((spec.get("training") or {}).get("steps") or status.get("totalSteps") or 0))
-    changed = {k: v for k, v in fields.items() if status.get(k) != v}
-    if changed:
+    return {k: v for k, v in fields.items() if status.get(k) != v}
+
+
+def lft_progress(spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch, **_: Any) -> None:
+    """Timer while Running: copy `<output.uri>/progress.json` into status (no API rights for pods)."""
+    if changed := _progress_fields(dict(spec), dict(status)):
         patch.status.update(changed)
 
 
@@ -212,7 +231,7 @@ def _write_status(kube: Kube, cr: dict[str, Any], obs: st.Observation, **fields:
     kube.merge_patch(API_VERSION, cr["kind"], meta["namespace"], meta["name"], {"status": new}, status=True)
     if current.get("phase") != obs.phase:
         _event("Warning" if obs.phase == "Failed" else "Normal", cr, reason=obs.reason, message=obs.message)
-    elif (obs.restarts or 0) > (current.get("restarts") or 0):
+    if (obs.restarts or 0) > (current.get("restarts") or 0):  # with one slice, a restart also changes the phase
         _event("Warning", cr, reason="Restarted", message=f"the JobSet restarted (restart {obs.restarts}); training resumes from the last checkpoint")
 
 
@@ -247,29 +266,33 @@ def _recreate_jobset(kube: Kube, settings: OperatorSettings, cr: dict[str, Any])
 
 
 def _sync_jobset(kube: Kube, settings: OperatorSettings, cr: dict[str, Any], jobset: dict[str, Any]) -> None:
-    if (cr.get("status") or {}).get("phase") in (*st.TERMINAL, "Exporting"):
+    status = cr.get("status") or {}
+    if status.get("phase") in (*st.TERMINAL, "Exporting"):
         return
     obs = st.observe_jobset(jobset, requested_suspend=bool((cr.get("spec") or {}).get("suspend")))
+    # Training ended: read progress.json once more, or the status keeps the progress timer's last
+    # read (often well before the final step).
+    progress = _progress_fields(cr["spec"], status) if obs.phase in ("Exporting", "Failed") else {}
     if obs.phase == "Exporting":
-        _start_export(kube, cr, settings, obs)
+        _start_export(kube, cr, settings, obs, **progress)
         return
-    _write_status(kube, cr, obs)
+    _write_status(kube, cr, obs, **progress)
 
 
-def _start_export(kube: Kube, cr: dict[str, Any], settings: OperatorSettings, obs: st.Observation) -> None:
+def _start_export(kube: Kube, cr: dict[str, Any], settings: OperatorSettings, obs: st.Observation, **progress: Any) -> None:
     try:
         spec = parse_spec(LoraFinetuneSpec, cr)
         jobs = render_export_jobs(Owner.from_body(cr), spec, settings)
         for job in jobs:
             kube.create_or_adopt(job)
     except (InvalidSpec, CannotCreate) as e:
-        _write_status(kube, cr, st.Observation("Failed", "ExportFailed", f"cannot start the export: {e}", obs.restarts))
+        _write_status(kube, cr, st.Observation("Failed", "ExportFailed", f"cannot start the export: {e}", obs.restarts), **progress)
         return
     if not jobs:
         _write_status(kube, cr, st.Observation("Succeeded", "TrainingCompleted", "training finished; no export requested (output.export)",
-                                               obs.restarts, completion_time=obs.completion_time))
+                                               obs.restarts, completion_time=obs.completion_time), **progress)
         return
-    _write_status(kube, cr, obs)
+    _write_status(kube, cr, obs, **progress)
 
 
 def export_job_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
@@ -343,20 +366,31 @@ def adc_reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: 
 def conversion_job_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
     """The conversion Job changed: report Running / Succeeded (outputUri) / Failed; deleted before it
     finished, it is created again."""
-    kube: Kube = memo.kube
-    cr = _owner_cr(kube, dict(body), "AdapterConversion", ADC_LABEL)
-    if cr is None or (cr.get("status") or {}).get("phase") in st.TERMINAL:
+    cr = _owner_cr(memo.kube, dict(body), "AdapterConversion", ADC_LABEL)
+    if cr is not None:
+        _sync_conversion(memo.kube, memo.settings, cr, None if type == "DELETED" else dict(body))
+
+
+def adc_resync(body: kopf.Body, status: kopf.Status, memo: kopf.Memo, **_: Any) -> None:
+    """Timer while Pending/Running: re-read the conversion Job, as `lft_resync` does for a run (a
+    failed status write in the event handler, which kopf does not retry, left it Running)."""
+    cr = dict(body)
+    _sync_conversion(memo.kube, memo.settings, cr, memo.kube.get("batch/v1", "Job", cr["metadata"]["namespace"], status["jobName"]))
+
+
+def _sync_conversion(kube: Kube, settings: OperatorSettings, cr: dict[str, Any], job: dict[str, Any] | None) -> None:
+    """Map the conversion Job (None: it is gone) onto the AdapterConversion."""
+    if (cr.get("status") or {}).get("phase") in st.TERMINAL or cr["metadata"].get("deletionTimestamp"):
         return
-    if type == "DELETED":
-        if not cr["metadata"].get("deletionTimestamp"):
-            try:
-                kube.create_or_adopt(render_conversion_job(Owner.from_body(cr), parse_spec(AdapterConversionSpec, cr), memo.settings))
-            except (InvalidSpec, CannotCreate) as e:
-                _write_status(kube, cr, st.Observation("Failed", e.reason, f"the conversion Job was deleted and cannot be created again: {e}"))
-                return
-            _event("Warning", cr, reason="ConversionRecreated", message="the conversion Job was deleted before it finished; created it again")
+    if job is None:
+        try:
+            kube.create_or_adopt(render_conversion_job(Owner.from_body(cr), parse_spec(AdapterConversionSpec, cr), settings))
+        except (InvalidSpec, CannotCreate) as e:
+            _write_status(kube, cr, st.Observation("Failed", e.reason, f"the conversion Job was deleted and cannot be created again: {e}"))
+            return
+        _event("Warning", cr, reason="ConversionRecreated", message="the conversion Job was deleted before it finished; created it again")
         return
-    obs = st.observe_job(dict(body), "conversion")
+    obs = st.observe_job(job, "conversion")
     if obs.phase == "Failed":
         obs = st.Observation("Failed", "ConversionFailed", obs.message, start_time=obs.start_time, completion_time=obs.completion_time)
     output = cr["spec"]["target"]["uri"] if obs.phase == "Succeeded" else None
@@ -373,6 +407,10 @@ def _has_status(body: kopf.Body, **_: Any) -> bool:
 
 def _in_flight(status: kopf.Status, **_: Any) -> bool:
     return status.get("phase") in ("Pending", "Running", "Exporting") and bool(status.get("jobSetName"))
+
+
+def _converting(status: kopf.Status, **_: Any) -> bool:
+    return status.get("phase") in ("Pending", "Running") and bool(status.get("jobName"))
 
 
 def _running(status: kopf.Status, **_: Any) -> bool:
@@ -392,6 +430,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     # the JobSet watch's initial listing already syncs every run; reading at once doubles a burst's load.
     kopf.timer(GROUP, VERSION, LFT, interval=settings.progress_poll_seconds, initial_delay=settings.progress_poll_seconds,
                when=_in_flight, registry=registry, id="resync")(lft_resync)
+    kopf.timer(GROUP, VERSION, ADC, interval=settings.progress_poll_seconds, initial_delay=settings.progress_poll_seconds,
+               when=_converting, registry=registry, id="resync")(adc_resync)
     kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LFT_LABEL: kopf.PRESENT}, when=_has_status,
                   registry=registry)(jobset_event)
     kopf.on.event("batch", "v1", "jobs", labels={LFT_LABEL: kopf.PRESENT, COMPONENT_LABEL: "export"}, registry=registry)(export_job_event)

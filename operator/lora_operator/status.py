@@ -46,7 +46,9 @@ def observe_jobset(jobset: dict[str, Any], *, requested_suspend: bool = False) -
     """Phase of a LoraFinetune from its JobSet (before export; `Completed` means training finished).
 
     A suspended JobSet whose LoraFinetune did not ask for it (`requested_suspend`) is waiting for
-    Kueue, whose webhook keeps queued JobSets suspended until admission: that is Pending, not Suspended."""
+    Kueue, whose webhook keeps queued JobSets suspended until admission: that is Pending, not Suspended.
+    Suspension is read from `spec.suspend` alone: the controller's `Suspended` condition lags a
+    resume by a moment, and read as suspension it made every resumed run look queued by Kueue."""
     status = jobset.get("status") or {}
     name = jobset.get("metadata", {}).get("name", "")
     restarts = int(status.get("restarts") or 0)
@@ -65,7 +67,7 @@ def observe_jobset(jobset: dict[str, Any], *, requested_suspend: bool = False) -
     if c := _true_condition(status, "Completed"):
         return Observation("Exporting", "TrainingCompleted", "training finished; exporting the adapter", restarts,
                            completion_time=c.get("lastTransitionTime"))
-    if (jobset.get("spec") or {}).get("suspend") or _true_condition(status, "Suspended"):
+    if (jobset.get("spec") or {}).get("suspend"):
         if requested_suspend:
             return Observation("Suspended", "Suspended", "the JobSet is suspended; set spec.suspend to false to resume from the last checkpoint", restarts)
         queue = (jobset.get("metadata", {}).get("labels") or {}).get("kueue.x-k8s.io/queue-name")
