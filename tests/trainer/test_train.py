@@ -86,6 +86,36 @@ def test_eval_runs_without_lora_dropout_and_training_with_it(tmp_path):
     assert abs(float(trainer.train_aux[-1]["loss"]) - expected) > 1e-3  # the train step still drops out
 
 
+def test_gradient_accumulation_is_one_batch_of_the_same_examples(tmp_path):
+    """globalBatchSize 8 in 1, 2 or 4 micro-batches: one optimizer step's gradient (AdamW's first
+    moment, 0.1 x the gradient) is the same, though the examples' completions run 1-59 tokens:
+    every loss token of the step weighs alike. With each micro-batch's own mean it was 3% off here
+    (22% in an audit with longer completions)."""
+    rows = [{"prompt": f"Q {i}?", "completion": " A." + " more words" * (i % 5 * 3)} for i in range(8)]
+    spec = DatasetSpec(train=write_jsonl(tmp_path / "t.jsonl", rows), format="prompt-completion", max_seq_len=64)
+    tok = data.load_tokenizer(tiny_llama())
+    seqs = data.to_sequences(data.tokenize_file(spec.train, spec, tok), spec)
+    assert len({s.loss_targets() for s in seqs}) >= 3
+    loaded = load_model(str(tiny_llama()), dtype="float32")
+    first_moment = {}
+    for accumulation in (1, 2, 4):
+        model = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0).model
+        trainer = make_trainer(model, TrainingSpec(steps=1, global_batch_size=8, gradient_accumulation=accumulation,
+                                                   learning_rate=0.01, schedule="constant"))
+        stream = data.BatchStream(seqs, global_batch=8 // accumulation, seq_len=64, seed=0, pad_id=tok.pad_token_id,
+                                  accumulation=accumulation)
+        trainer.train([next(stream) for _ in range(accumulation)])
+        state = nnx.to_flat_state(nnx.state(trainer.optimizer))
+        first_moment[accumulation] = {
+            "/".join(map(str, path)).split("/mu/")[1]: np.asarray(v.get_value()) for path, v in state if "mu" in path
+        }
+    assert len(first_moment[1]) == 14
+    for accumulation in (2, 4):
+        for name, want in first_moment[1].items():
+            got = first_moment[accumulation][name]
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (accumulation, name)
+
+
 def test_learning_rate_schedules():
     cos = schedule.learning_rate_schedule(TrainingSpec(steps=10, learning_rate=1.0, warmup_steps=2, schedule="cosine"))
     assert [float(cos(s)) for s in (0, 1, 2)] == pytest.approx([0.0, 0.5, 1.0])
@@ -143,7 +173,7 @@ def test_incompatibilities_name_the_changed_fields():
 @pytest.mark.slow
 def test_run_writes_checkpoints_metrics_progress_and_tensorboard(tmp_path):
     out = tmp_path / "out"
-    cfg = train_config(tmp_path, str(out), steps=6, checkpointEvery=2, checkpointsToKeep=2, gradientAccumulation=2, evalEvery=3)
+    cfg = train_config(tmp_path, str(out), steps=6, checkpointEvery=2, checkpointsToKeep=2, gradientAccumulation=2, evalEvery=4)
     # The eval set holds an example longer than any training example (batches of their own length).
     longer = {"prompt": "Question: 1 + 2 + 3 + 4 + 5 + 6?", "completion": " Answer: 21."}
     cfg["dataset"]["eval"] = write_jsonl(tmp_path / "data" / "eval.jsonl", [*arithmetic_rows(3), longer])
@@ -163,7 +193,11 @@ def test_run_writes_checkpoints_metrics_progress_and_tensorboard(tmp_path):
     train_lines = [x for x in lines if "loss" in x]
     assert [x["step"] for x in train_lines] == [1, 2, 3, 4, 5, 6]
     assert all(set(x) == PROGRESS_KEYS for x in train_lines)
-    assert [x["eval/loss"] > 0 for x in lines if "eval/loss" in x] == [True, True]
+    assert [x["step"] for x in lines if x.get("eval/loss", 0) > 0] == [4, 6]  # every evalEvery steps, and at the end
+    # Step 1 compiled the train step: no throughput for its line (its ETA was the compile time x the
+    # steps left); the later lines time only training steps.
+    assert [train_lines[0][k] for k in ("tokensPerSecond", "stepTimeSeconds", "etaSeconds", "eta")] == [None] * 4
+    assert all(x["tokensPerSecond"] > 0 and x["stepTimeSeconds"] > 0 and isinstance(x["eta"], str) for x in train_lines[1:])
     assert train_lines[-1]["lastCheckpoint"] == str(out / "checkpoints" / "4")  # step 6 is saved after its line
     assert train_lines[0]["mfu"] is None  # CPU: peak unknown
     progress = json.loads((out / "progress.json").read_text())

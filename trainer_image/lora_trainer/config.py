@@ -79,7 +79,7 @@ class DatasetSpec(ApiModel):
     train: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)]
     """Training data: a JSONL (`.jsonl`) or Parquet (`.parquet`) file, local or `gs://`."""
     eval: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)] | None = None
-    """Optional evaluation data in the same format as `train`."""
+    """Optional evaluation data in the same format as `train`: evaluated every `training.evalEvery` steps and at the end."""
     format: DatasetFormat = "prompt-completion"
     """`text` (loss on every token), `prompt-completion` (loss on the completion) or `chat` (loss on assistant turns)."""
     text_field: str = "text"
@@ -93,7 +93,7 @@ class DatasetSpec(ApiModel):
     max_seq_len: Annotated[int, Field(ge=8, le=131072)] = 1024
     """Examples are truncated to this many tokens (the count of truncated examples is logged)."""
     packing: bool = False
-    """Pack several short examples into one sequence instead of padding each."""
+    """Pack several short examples into one sequence of up to maxSeqLen tokens instead of padding each; `training.globalBatchSize` then counts packed sequences."""
 
 
 class QuantizationSpec(ApiModel):
@@ -146,9 +146,9 @@ class TrainingSpec(ApiModel):
     steps: Annotated[int, Field(ge=1)] = 1000
     """Optimizer steps to train."""
     global_batch_size: Annotated[int, Field(ge=1)] = 8
-    """Examples per optimizer step, across all hosts; must be divisible by gradientAccumulation."""
+    """Sequences per optimizer step, across all hosts (examples, or packed sequences with `dataset.packing`); must be divisible by gradientAccumulation. The step's loss is the mean over all its loss tokens."""
     gradient_accumulation: Annotated[int, Field(ge=1)] = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches per optimizer step (less memory): the same training as one batch, every loss token weighted alike."""
     learning_rate: Annotated[float, Field(gt=0)] = 2e-4
     """Peak learning rate of AdamW."""
     warmup_steps: Annotated[int, Field(ge=0)] = 0
@@ -160,7 +160,7 @@ class TrainingSpec(ApiModel):
     seed: Annotated[int, Field(ge=0)] = 0
     """Seed for LoRA initialisation, dropout and data shuffling."""
     eval_every: Annotated[int, Field(ge=1)] | None = None
-    """Evaluate on `dataset.eval` every N steps (requires dataset.eval)."""
+    """Evaluate on `dataset.eval` every N steps (requires dataset.eval); without it, only at the end."""
     checkpoint_every: Annotated[int, Field(ge=1)] = 100
     """Save an Orbax checkpoint every N steps (and at the end, and on SIGTERM)."""
     checkpoints_to_keep: Annotated[int, Field(ge=1)] = 3

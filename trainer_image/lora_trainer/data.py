@@ -51,6 +51,11 @@ class Sequence:
     segment_ids: np.ndarray
     positions: np.ndarray
 
+    def loss_targets(self) -> int:
+        """Tokens the loss predicts, as `train.lm_loss` weights them: in the loss mask, and predicted
+        by a token of the same packed example."""
+        return int(((self.loss_mask[1:] > 0) & (self.segment_ids[1:] == self.segment_ids[:-1])).sum())
+
 
 # --------------------------------------------------------------------------- tokenizer
 
@@ -335,11 +340,18 @@ def collate(seqs: list[Sequence], rows: int, length: int, pad_id: int) -> dict[s
 
 
 class BatchStream:
-    """Endless, seeded, resumable stream of this process's share of each global batch.
+    """Endless, seeded, resumable stream of this process's share of each global (micro-)batch.
 
     Batch k holds stream items [k*B, (k+1)*B) where the stream is the concatenation of
     per-epoch permutations (seeded by (seed, epoch)) of the sequences. Position = batches
     consumed; `state()` / `restore()` round-trip it through the checkpoint.
+
+    Each batch carries `loss_norm`: the loss targets of its whole optimizer step (all
+    `accumulation` micro-batches, all hosts; every host holds every sequence) divided by
+    `accumulation`. Tunix averages the micro-batches' gradients, so each micro-batch's summed
+    loss over that norm makes the step's gradient the token-weighted mean over the step, as
+    one batch of globalBatchSize rows gives; a per-micro-batch mean weighted short and long
+    completions differently (22% off the full batch's gradient in an audit).
     """
 
     def __init__(
@@ -352,6 +364,7 @@ class BatchStream:
         pad_id: int,
         process_index: int = 0,
         process_count: int = 1,
+        accumulation: int = 1,
     ) -> None:
         if global_batch % process_count:
             raise UserError(
@@ -368,6 +381,9 @@ class BatchStream:
         self._batches = 0
         self._perm_epoch = -1
         self._perm = np.empty(0, np.int64)
+        self._accumulation = accumulation
+        self._targets = np.array([s.loss_targets() for s in sequences], np.int64)
+        self._norm_step, self._norm = -1, 1.0
 
     def fingerprint(self) -> dict[str, int]:
         """What must match for a saved position to mean the same data on resume."""
@@ -389,21 +405,38 @@ class BatchStream:
             )
         self._batches = int(state["batches"])
 
-    def _item(self, j: int) -> Sequence:
+    def _index(self, j: int) -> int:
+        """The sequence at stream position j."""
         epoch, pos = divmod(j, len(self._seqs))
         if epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self._seed, epoch]).permutation(len(self._seqs))
             self._perm_epoch = epoch
-        return self._seqs[int(self._perm[pos])]
+        return int(self._perm[pos])
+
+    def _item(self, j: int) -> Sequence:
+        return self._seqs[self._index(j)]
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
 
+    def _loss_norm(self) -> float:
+        """Loss targets of the current optimizer step's global batch, per micro-batch."""
+        step = self._batches // self._accumulation
+        if step != self._norm_step:
+            first = step * self._accumulation * self._global_batch
+            items = range(first, first + self._accumulation * self._global_batch)
+            total = sum(int(self._targets[self._index(j)]) for j in items)
+            self._norm_step, self._norm = step, max(total, 1) / self._accumulation
+        return self._norm
+
     def __next__(self) -> dict[str, np.ndarray]:
         start = self._batches * self._global_batch + self._offset
+        norm = self._loss_norm()
         seqs = [self._item(j) for j in range(start, start + self._local)]
         self._batches += 1
-        return collate(seqs, self._local, self._seq_len, self._pad_id)
+        batch = collate(seqs, self._local, self._seq_len, self._pad_id)
+        batch["loss_norm"] = np.full(self._local, norm, np.float32)
+        return batch
 
 
 def eval_batches(

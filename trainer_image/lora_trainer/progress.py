@@ -49,22 +49,24 @@ def progress_record(
     total_steps: int,
     loss: float,
     learning_rate: float,
-    tokens_per_second: float,
-    step_time_seconds: float,
+    tokens_per_second: float | None,
+    step_time_seconds: float | None,
     mfu: float | None,
     last_checkpoint: str | None,
 ) -> dict[str, Any]:
-    """The progress.json / stdout / callback record (contracts.md). Pure apart from the clock."""
-    eta = step_time_seconds * max(total_steps - step, 0)
+    """The progress.json / stdout / callback record (contracts.md). Pure apart from the clock.
+
+    Throughput fields are None for an interval with no timed step (only the step that compiled)."""
+    eta = None if step_time_seconds is None else step_time_seconds * max(total_steps - step, 0)
     return {
         "step": step,
         "totalSteps": total_steps,
         "loss": _finite(loss),
         "learningRate": float(learning_rate),
-        "tokensPerSecond": float(tokens_per_second),
-        "stepTimeSeconds": float(step_time_seconds),
-        "etaSeconds": float(eta),
-        "eta": format_eta(eta),
+        "tokensPerSecond": None if tokens_per_second is None else float(tokens_per_second),
+        "stepTimeSeconds": None if step_time_seconds is None else float(step_time_seconds),
+        "etaSeconds": None if eta is None else float(eta),
+        "eta": None if eta is None else format_eta(eta),
         "mfu": None if mfu is None else float(mfu),
         "lastCheckpoint": last_checkpoint,
         "time": now_rfc3339(),

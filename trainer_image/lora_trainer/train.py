@@ -88,6 +88,7 @@ def model_inputs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         "segment_ids": seg,
         "positions": batch["positions"],
         "attention_mask": causal[None] & same,
+        **({"loss_norm": batch["loss_norm"]} if "loss_norm" in batch else {}),
     }
 
 
@@ -98,8 +99,13 @@ def lm_loss(
     segment_ids: jax.Array,
     positions: jax.Array,
     attention_mask: jax.Array,
+    loss_norm: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean next-token cross-entropy over loss-masked targets (float32), plus token counts for progress.
+
+    The value differentiated is the summed loss over `loss_norm` (each row holds the same value;
+    see `data.BatchStream`) when the batch has one, so that accumulated micro-batches weigh every
+    token of the optimizer step alike; the aux `loss` is always this batch's own mean.
 
     A target counts only if it is in the loss mask and in the same packed example as the
     token predicting it. Every position's logits are used as they come (the last position,
@@ -113,8 +119,10 @@ def lm_loss(
     weight = jnp.pad(weight, ((0, 0), (0, 1))).astype(jnp.float32)
     nll = token_nll(logits, targets)  # float32, from the logits in their own dtype (see cross_entropy)
     n = weight.sum()
-    loss = (nll * weight).sum() / jnp.maximum(n, 1.0)
-    return loss, {"loss": loss, "target_tokens": n, "tokens": (segment_ids > 0).sum()}
+    total = (nll * weight).sum()
+    loss = total / jnp.maximum(n, 1.0)
+    objective = loss if loss_norm is None else total / jnp.max(loss_norm)
+    return objective, {"loss": loss, "target_tokens": n, "tokens": (segment_ids > 0).sum()}
 
 
 class LoraPeftTrainer(peft_trainer.PeftTrainer):
@@ -421,6 +429,12 @@ class _Run:
         pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
         train_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.train, cfg.dataset, tokenizer), cfg.dataset)
         seq_len = _seq_len(train_seqs, cfg.dataset.max_seq_len)
+        if len(train_seqs) < t.global_batch_size:
+            log.warning(
+                "training.globalBatchSize is %d but the training data holds %d sequences%s: every step repeats some "
+                "of them; lower globalBatchSize or add data", t.global_batch_size, len(train_seqs),
+                " after packing" if cfg.dataset.packing else "",
+            )  # fmt: skip
         max_positions = loaded.hf_config.get("max_position_embeddings")
         if isinstance(max_positions, int) and seq_len > max_positions:
             log.warning(
@@ -436,6 +450,7 @@ class _Run:
             pad_id=pad_id,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
+            accumulation=t.gradient_accumulation,
         )
         eval_ds = None
         if cfg.dataset.eval is not None:
@@ -514,7 +529,9 @@ class _Run:
         saved_step = step
         last_checkpoint = checkpoint.step_uri(self.root, step) if step else None
         loss = eval_loss = None
-        timer, interval_steps = IntervalTimer(time.perf_counter), 0
+        # The first step in a process compiles the train step (seconds to minutes): it stays out of
+        # the timed interval, or the first line's tokens/s and ETA were off by that much.
+        timer, timed_steps, untimed_tokens, compiled = IntervalTimer(time.perf_counter), 0, 0, False
 
         def save(at: int) -> None:
             nonlocal saved_step, last_checkpoint
@@ -534,29 +551,40 @@ class _Run:
                     f"received SIGTERM: checkpoint step {step} is saved in {self.root}; exiting so the JobSet "
                     "restarts and the run resumes from there"
                 )
-            trainer.train([next(stream) for _ in range(t.gradient_accumulation)])
+            micro_batches = [next(stream) for _ in range(t.gradient_accumulation)]
+            if compiled:
+                trainer.train(micro_batches)
+                timed_steps += 1
+            else:
+                with timer.paused():
+                    start = time.perf_counter()
+                    trainer.train(micro_batches)
+                    untimed_tokens = _weighted_loss(trainer.train_aux[-t.gradient_accumulation :])[2]  # waits for the step
+                    log.info("step %d compiled the train step and ran in %.1fs (left out of tokens/s, step time and ETA)",
+                             step + 1, time.perf_counter() - start)
+                compiled = True
             step += 1
-            interval_steps += 1
             if step % t.log_every == 0 or step == t.steps:
                 loss, _, tokens = _weighted_loss(trainer.train_aux)
                 trainer.train_aux.clear()
                 elapsed = timer.lap()
-                tps = tokens / elapsed
+                tps = (tokens - untimed_tokens) / elapsed if timed_steps else None
                 record = progress_record(
                     step=step,
                     total_steps=t.steps,
                     loss=loss,
                     learning_rate=float(lr(step - 1)),
                     tokens_per_second=tps,
-                    step_time_seconds=elapsed / interval_steps,
-                    mfu=mfu_metrics.mfu(tps, flops_per_token, kinds),
+                    step_time_seconds=elapsed / timed_steps if timed_steps else None,
+                    mfu=None if tps is None else mfu_metrics.mfu(tps, flops_per_token, kinds),
                     last_checkpoint=last_checkpoint,
                 )
                 sink.emit(record)
-                interval_steps = 0
+                timed_steps, untimed_tokens = 0, 0
             with timer.paused():
                 # After a SIGTERM the checkpoint comes first: an eval pass could outlast the grace period.
-                if eval_ds and t.eval_every and step % t.eval_every == 0 and not self.stop.requested():
+                due = step == t.steps or (t.eval_every is not None and step % t.eval_every == 0)
+                if eval_ds and due and not self.stop.requested():
                     eval_loss = self._evaluate(trainer, eval_ds)
                     sink.scalar("eval/loss", eval_loss, step)
                     log.info("step %d: eval loss %.4f", step, eval_loss)
