@@ -7,6 +7,9 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from lora_trainer.errors import UserError
 from lora_trainer.models.mapping import LoraTarget, WeightRule
 
@@ -108,6 +111,30 @@ def use_attention(module: ModuleType, attention: type) -> None:
     """
     if not issubclass(module.Attention, attention):
         module.Attention = attention
+
+
+def einsum_taking_quantized_weights(module: ModuleType) -> None:
+    """Make the Tunix model `module` (qwen2, qwen3) build an `Einsum` that passes a QLoRA weight on as is.
+
+    Tunix's qwen Einsums cast their weight with `jnp.astype` before the einsum; under QLoRA the
+    weight is Qwix's quantized value (not an array), which only Qwix's intercepted einsum takes,
+    so every Qwen QLoRA run raised TypeError at its first step (llama3's and gemma3's Einsums pass
+    the weight straight through). Arrays are cast as before. The same seam as `use_attention`.
+    """
+    if getattr(module.Einsum, "takes_quantized_weights", False):
+        return
+
+    class Einsum(module.Einsum):  # type: ignore[name-defined,misc]
+        takes_quantized_weights = True
+
+        @jax.named_scope("einsum")
+        def __call__(self, x: Any) -> jax.Array:
+            w = self.w.value
+            if isinstance(w, jax.Array):
+                w = jnp.astype(w, self.dtype)
+            return jnp.einsum(self.einsum_str, jnp.astype(x, self.dtype), w)
+
+    module.Einsum = Einsum
 
 
 def lazy_build(module: str) -> Callable[[Mapping[str, Any], Any, Any], Any]:

@@ -18,7 +18,7 @@ from tunix.models.qwen2 import model as tunix_qwen2
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
 from lora_trainer.models.attention import causal_gqa_attention
-from lora_trainer.models.families.common import decoder_dims, require, use_attention
+from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention
 
 
 class Attention(tunix_qwen2.Attention):
@@ -54,6 +54,7 @@ class Attention(tunix_qwen2.Attention):
 
 
 use_attention(tunix_qwen2, Attention)
+einsum_taking_quantized_weights(tunix_qwen2)
 
 
 def tunix_config(hf_config: Mapping[str, Any], dtype: jnp.dtype = jnp.float32) -> tunix_qwen2.ModelConfig:
