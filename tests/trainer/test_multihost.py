@@ -104,3 +104,24 @@ def test_a_bfloat16_base_trains_sharded_by_fsdp_and_by_tp(tmp_path):
     losses = {name: progress_lines(tmp_path / f"{name}.log")[-1]["loss"] for name in procs}
     assert all(np.isfinite(v) for v in losses.values())
     assert losses["tp"] == pytest.approx(losses["fsdp"], rel=1e-2), losses
+
+
+@pytest.mark.slow
+def test_tp_that_does_not_divide_the_heads_replicates_that_axis(tmp_path):
+    """3 query heads over tp=2 (Qwen2.5-0.5B's 14 over tp=4 alike): the loader replicates the axis
+    it cannot split, and the LoRA factors and optimizer state follow it; they kept the weight's
+    `tp` annotation, and the first step raised IndivisibleError (exit 1). Same losses as one device."""
+    from lora_trainer.tiny_models import make_tiny_hf_model
+
+    model = make_tiny_hf_model("llama3", tmp_path / "odd-heads", seed=0, num_attention_heads=3, num_key_value_heads=1,
+                               hidden_size=48, head_dim=16, intermediate_size=96)
+    procs = {}
+    for name, mesh, devices in (("tp", {"tp": 2}, "2"), ("one", {}, "1")):
+        cfg = train_config(tmp_path / name, str(tmp_path / name / "out"), steps=3, checkpointEvery=3, mesh=mesh)
+        cfg["model"]["source"] = str(model)
+        procs[name] = start_trainer(write_config(tmp_path / f"{name}.json", cfg), tmp_path / f"{name}.log",
+                                    JAX_NUM_CPU_DEVICES=devices, JAX_PLATFORMS="cpu")
+    codes = {name: p.wait(timeout=400) for name, p in procs.items()}
+    assert codes == {"tp": exit_codes.OK, "one": exit_codes.OK}, {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in procs}
+    losses = {name: [r["loss"] for r in progress_lines(tmp_path / f"{name}.log")] for name in procs}
+    assert losses["tp"] == pytest.approx(losses["one"], rel=1e-4), losses

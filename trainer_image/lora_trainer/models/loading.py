@@ -83,10 +83,13 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     return cfg
 
 
+_SHARDING_KEYS = ("out_sharding", "sharding", "sharding_names")
+
+
 def _partition_spec(var: nnx.Variable, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> jax.sharding.PartitionSpec:
     """The parameter's Tunix sharding annotation, keeping only mesh axes that exist and divide the dim."""
     meta = var.get_metadata()
-    names = meta.get("out_sharding") or meta.get("sharding") or meta.get("sharding_names") or ()
+    names = next((meta[k] for k in _SHARDING_KEYS if meta.get(k)), ())
     axes = []
     for dim, name in zip(shape, tuple(names) + (None,) * (len(shape) - len(names))):
         keep = name is not None and name in mesh.shape and mesh.shape[name] > 1 and dim % mesh.shape[name] == 0
@@ -138,8 +141,14 @@ def fill_params(
         array = np.asarray(rule.to_nnx(tensors.get(hf_key), shape)).astype(DTYPES[dtype])
         if mesh is not None:
             # Each process puts only its addressable shards on its devices (multi-host safe).
-            sharding = jax.sharding.NamedSharding(mesh, _partition_spec(var, shape, mesh))
-            loaded[nnx_path] = jax.make_array_from_callback(shape, sharding, lambda index, a=array: a[index])
+            spec = _partition_spec(var, shape, mesh)
+            loaded[nnx_path] = jax.make_array_from_callback(shape, jax.sharding.NamedSharding(mesh, spec), lambda index, a=array: a[index])
+            # The annotation says what was placed: Qwix gives each LoRA factor its weight's annotation
+            # and Tunix constrains the optimizer state to it, so an axis that does not divide (3
+            # heads over tp=2) raised IndivisibleError at the first step.
+            key = next((k for k in _SHARDING_KEYS if var.get_metadata().get(k)), None)
+            if key is not None:
+                var.set_metadata(key, tuple(spec))
         else:
             loaded[nnx_path] = jnp.asarray(array)
     missing = sorted(set(variables) - set(loaded))
