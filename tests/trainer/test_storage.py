@@ -1,6 +1,8 @@
 """Storage: outputs appear whole or not at all; missing inputs name themselves."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -133,3 +135,22 @@ def test_staged_output_at_dot_or_under_a_file(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="cannot create its parent directory"):
         with storage.staged_output_dir(str(tmp_path / "afile" / "x")) as stage:
             pass
+
+
+@pytest.mark.parametrize(("on_kubernetes", "error"), [(False, "UserError"), (True, "RetriableError")])
+def test_missing_google_credentials_are_named_not_a_traceback(tmp_path, on_kubernetes, error):
+    """No credentials for gs:// (no ADC file, no metadata server): on a laptop a user error saying
+    how to log in (it was a DefaultCredentialsError traceback, exit 1); in a pod a retriable one,
+    since GKE's metadata server can lag the pod's start. Own process: the client is cached."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STORAGE_EMULATOR", "GOOGLE_", "CLOUDSDK_", "KUBERNETES_"))}
+    env.update(HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), GCE_METADATA_HOST="127.0.0.1:9",
+               GCE_METADATA_IP="127.0.0.1:9", NO_GCE_CHECK="True")
+    if on_kubernetes:
+        env["KUBERNETES_SERVICE_HOST"] = "10.0.0.1"
+    script = (
+        "from lora_trainer import storage\n"
+        "try:\n    storage._client()\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith(error), out.stdout + out.stderr[-2000:]
+    assert ("gcloud auth application-default login" if not on_kubernetes else "Workload Identity") in out.stdout

@@ -157,7 +157,21 @@ def _client() -> Any:
         from google.auth.credentials import AnonymousCredentials
 
         return storage.Client(project="local", credentials=AnonymousCredentials())
-    return storage.Client()
+    from google.auth.exceptions import DefaultCredentialsError
+
+    try:
+        return storage.Client()
+    except DefaultCredentialsError as e:
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):  # GKE's metadata server can lag a pod's start: retry
+            raise RetriableError(
+                f"no Google Cloud credentials for gs:// ({e}); on GKE the Workload Identity metadata server may not "
+                "be ready yet (the pod restarts); if this repeats, bind the pod's service account to a Google service "
+                "account with access to the buckets (docs/tutorial.md)"
+            ) from e
+        raise UserError(
+            "gs:// paths need Google Cloud credentials and none were found: run `gcloud auth application-default "
+            "login` (or set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file), or use local paths"
+        ) from e
 
 
 def retry_deadline() -> float:
