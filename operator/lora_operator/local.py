@@ -394,7 +394,7 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
 
     try:
         with _trainer_output(view):
-            result = run_training(cfg, on_progress=on_progress)
+            result = run_training(cfg, on_progress=on_progress, interruptible=True)
     finally:
         view.close()
 

@@ -7,14 +7,16 @@ Runs the real CLI in a subprocess (stdout is a pipe, so progress comes as plain 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from lora_trainer import exit_codes
+from lora_trainer import checkpoint, exit_codes
 from lora_trainer.tiny_models import make_tiny_hf_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -98,3 +100,32 @@ def test_run_local_trainer_error_is_one_paragraph_and_exit_3(tiny_model: Path, t
     assert len(errors) == 1 and "missing.jsonl" in errors[0]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "hf-adapter").exists()
+
+
+def test_ctrl_c_saves_a_checkpoint_and_a_rerun_resumes(tiny_model: Path, tmp_path: Path) -> None:
+    """Ctrl-C stops after the current step once its checkpoint is saved: exit 130, one paragraph
+    (a Ctrl-C in the middle of a save printed dozens of tracebacks from Orbax's threads and left a
+    temporary step behind); the same command resumes from that step."""
+    path = manifest(tmp_path, tiny_model, steps=400, checkpointEvery=1000)
+    log = tmp_path / "stdout.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(LORA_OPERATOR), "run-local", "-f", str(path)], cwd=tmp_path, stdout=out,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while not [line for line in log.read_text().splitlines() if line.startswith("step 3/")]:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("lora-operator run-local:")]
+    assert len(errors) == 1 and "interrupted: checkpoint step" in errors[0], stderr[-3000:]
+    saved = checkpoint.committed_steps(str(tmp_path / "out" / "checkpoints"))
+    assert len(saved) == 1 and f"checkpoint step {saved[0]} " in errors[0]
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir()] == [str(saved[0])]
+
+    again = run_local(manifest(tmp_path, tiny_model, steps=saved[0] + 1, checkpointEvery=1000), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from step {saved[0]}" in again.stdout + again.stderr
+    assert [line.split()[1] for line in again.stdout.splitlines() if line.startswith("step ")] == [f"{saved[0] + 1}/{saved[0] + 1}"]

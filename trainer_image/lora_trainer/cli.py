@@ -61,7 +61,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from lora_trainer.config import load_train_config
         from lora_trainer.train import run_training
 
-        run_training(load_train_config(args.config))
+        run_training(load_train_config(args.config), interruptible=True)  # Ctrl-C by hand: save, then exit 130
         return exit_codes.OK
     if args.command == "export":
         from lora_trainer.adapters.export import export_checkpoint

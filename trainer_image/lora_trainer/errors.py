@@ -25,6 +25,12 @@ class RetriableError(TrainerError):
     exit_code = exit_codes.RETRIABLE
 
 
+class Interrupted(TrainerError):
+    """Ctrl-C (a run by hand), handled like a preemption (the checkpoint saved first): a rerun resumes."""
+
+    exit_code = exit_codes.INTERRUPTED
+
+
 #: Class names XLA raises its runtime errors as (`jax.errors.JaxRuntimeError`; jaxlib < 0.5 `XlaRuntimeError`).
 _XLA_ERROR_CLASSES = frozenset({"JaxRuntimeError", "XlaRuntimeError"})
 #: XLA's status code for a failed allocation, at the start of the error message.

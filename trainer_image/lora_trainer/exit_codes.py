@@ -11,6 +11,8 @@ OK = 0
 USER_ERROR = 3
 #: A transient fault (storage outage, preemption notice handled by saving): restart and resume.
 RETRIABLE = 42
+#: Ctrl-C (run by hand, e.g. the local mode), after saving a checkpoint (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
 #: Exit codes at or above this are signal deaths (128 + n, e.g. 137 after SIGKILL); treated as retriable.
 FIRST_SIGNAL_EXIT = 129
 #: Highest exit code a process can report.

@@ -41,7 +41,7 @@ from lora_trainer import checkpoint, data, distributed, host_memory, schedule, s
 from lora_trainer import metrics as mfu_metrics
 from lora_trainer.config import TrainConfig, TrainingSpec
 from lora_trainer.cross_entropy import token_nll
-from lora_trainer.errors import RetriableError, UserError
+from lora_trainer.errors import Interrupted, RetriableError, TrainerError, UserError
 from lora_trainer.lora import apply_lora, lora_state, resolve_target_regex, set_lora_state
 from lora_trainer.lora_provider import no_lora_dropout
 from lora_trainer.models import load_model
@@ -263,22 +263,49 @@ def _comparable(key: str, value: Any) -> Any:
 
 
 class _StopRequest:
-    """Set by SIGTERM (preemption, pod deletion); checked at step boundaries by every process."""
+    """Set by SIGTERM (preemption, pod deletion), or by Ctrl-C when `interruptible` (the local mode);
+    checked at step boundaries by every process."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, interruptible: bool = False) -> None:
         self._event = threading.Event()
-        self._previous: Any = None
+        self._interruptible = interruptible
+        self.interrupted = False
+
+    def _on_interrupt(self, *_: Any) -> None:
+        """The first Ctrl-C stops at the next step boundary, once a checkpoint is saved (a Ctrl-C in
+        the middle of a save printed dozens of tracebacks from Orbax's threads); a second one quits."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        self._event.set()
+        log.warning("interrupted: stopping after this step to save a checkpoint (Ctrl-C again to quit at once)")
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[_StopRequest]:
         if threading.current_thread() is not threading.main_thread():
             yield self  # signal handlers can only be set from the main thread (e.g. a test harness thread)
             return
-        self._previous = signal.signal(signal.SIGTERM, lambda *_: self._event.set())
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: self._event.set())}
+        if self._interruptible:
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
         try:
             yield self
         finally:
-            signal.signal(signal.SIGTERM, self._previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def error(self, step: int, root: str) -> TrainerError:
+        """What stopping at `step` (its checkpoint committed, if any) is reported as."""
+        if self.interrupted:
+            if not step:
+                return Interrupted("interrupted before the first step; nothing was saved")
+            return Interrupted(f"interrupted: checkpoint step {step} is saved in {root}; run the same command again to resume from there")
+        if not step:
+            return RetriableError("received SIGTERM before the first step; no checkpoint to save, exiting")
+        return RetriableError(
+            f"received SIGTERM: checkpoint step {step} is saved in {root}; exiting so the JobSet "
+            "restarts and the run resumes from there"
+        )
 
     def requested(self) -> bool:
         """True on every process if any process got SIGTERM (so all stop at the same step)."""
@@ -368,17 +395,18 @@ def _flops_per_token(model: nnx.Module, hf_config: dict[str, Any], seq_len: int)
     )
 
 
-def run_training(cfg: TrainConfig, *, on_progress: ProgressCallback | None = None) -> TrainResult:
+def run_training(cfg: TrainConfig, *, on_progress: ProgressCallback | None = None, interruptible: bool = False) -> TrainResult:
     """Train (or resume) the LoRA adapter `cfg` describes; returns when `training.steps` are done.
 
     Raises UserError for bad input and RetriableError after a SIGTERM (checkpoint committed)
-    or a storage outage; the CLI maps them to exit codes 3 and 42.
+    or a storage outage; the CLI maps them to exit codes 3 and 42. With `interruptible` (the
+    local mode), Ctrl-C is handled as SIGTERM is and raises Interrupted (130).
     """
     host_memory.retain_freed_memory()  # before JAX's thread pools start (see host_memory)
     _configure_logging()
     distributed.initialize()
     mesh = distributed.make_mesh(cfg.training.mesh)
-    with _StopRequest().installed() as stop, warnings.catch_warnings():
+    with _StopRequest(interruptible=interruptible).installed() as stop, warnings.catch_warnings():
         # Tunix 0.1.7 finds the mesh through the legacy `with mesh:` context (pxla.thread_resources).
         warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*mesh.*")
         with mesh:
@@ -545,12 +573,7 @@ class _Run:
             if self.stop.requested():
                 if saved_step != step:
                     save(step)
-                if not step:
-                    raise RetriableError("received SIGTERM before the first step; no checkpoint to save, exiting")
-                raise RetriableError(
-                    f"received SIGTERM: checkpoint step {step} is saved in {self.root}; exiting so the JobSet "
-                    "restarts and the run resumes from there"
-                )
+                raise self.stop.error(step, self.root)
             micro_batches = [next(stream) for _ in range(t.gradient_accumulation)]
             if compiled:
                 trainer.train(micro_batches)
