@@ -15,6 +15,7 @@ non-zero exit code from `lora_trainer.exit_codes`.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import logging
@@ -308,7 +309,8 @@ def loss_plot_png(records: list[dict[str, Any]], title: str) -> bytes:
         raise UserError("metrics.jsonl has no records with `step` and `loss`; nothing to plot")
     fig = Figure(figsize=(7, 4), dpi=100)
     ax = fig.subplots()
-    ax.plot(*train, label="train loss", color="tab:blue")
+    # Markers while the points are few: a single record drew no line at all.
+    ax.plot(*train, marker="o" if len(train[0]) < 20 else None, markersize=3, label="train loss", color="tab:blue")
     evaluation = _series(records, "eval/loss", "evalLoss")
     if evaluation[0]:
         ax.plot(*evaluation, "o-", label="eval loss", color="tab:orange")
@@ -368,6 +370,39 @@ def _plot(metrics_uri: str, records: list[dict[str, Any]], title: str) -> str:
     return plot_uri
 
 
+@contextlib.contextmanager
+def _sole_run(output_uri: str) -> Iterator[None]:
+    """Hold `<output>/.run-local.lock` while training and exporting: a second run-local on the same
+    output refuses (two at once both reported Succeeded, each overwriting the other's checkpoints,
+    metrics and adapter). gs:// outputs have no such lock; an output that cannot be created is
+    left for the trainer to report."""
+    if storage.is_gcs(output_uri):
+        yield
+        return
+    out = storage.absolute_local_path(output_uri)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = (out / ".run-local.lock").open("a+")
+    except OSError:
+        yield
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise UserError(
+                f"output {display_path(output_uri)} is in use by another run-local ({holder}): wait for it to finish, "
+                "or give this run its own output (--output DIR or spec.output.uri)"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}\n")
+        lock.flush()
+        yield
+
+
 def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, Any], str]:
     """Train, export and plot; returns the CR object as the operator would leave it and the
     list of output paths to print."""
@@ -392,14 +427,14 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
         last.update(record)
         view(record)
 
-    try:
-        with _trainer_output(view):
-            result = run_training(cfg, on_progress=on_progress, interruptible=True)
-    finally:
-        view.close()
-
-    uris = output_uris(spec)
-    _export(str(result.checkpoint_root), uris)
+    with _sole_run(cfg.output.uri):
+        try:
+            with _trainer_output(view):
+                result = run_training(cfg, on_progress=on_progress, interruptible=True)
+        finally:
+            view.close()
+        uris = output_uris(spec)
+        _export(str(result.checkpoint_root), uris)
     metrics_uri = str(result.metrics_path)
     records = read_metrics(storage.read_text(metrics_uri))
     plot_uri = _plot(metrics_uri, records, f"{name}: {cfg.model.source.rsplit('/', 1)[-1]}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,6 +14,7 @@ import yaml
 from lora_operator import local
 from lora_operator.cli import main as cli_main
 from lora_trainer import exit_codes
+from lora_trainer.errors import UserError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -183,3 +185,14 @@ def test_paths_under_the_working_directory_are_shown_relative(tmp_path: Path, mo
     assert local.display_path(str(tmp_path / "out" / "hf-adapter")) == "out/hf-adapter"
     assert local.display_path("/elsewhere/x") == "/elsewhere/x"
     assert local.display_path("gs://bkt/run") == "gs://bkt/run"
+
+
+def test_one_run_local_per_output(tmp_path: Path) -> None:
+    """A second run-local on an output in use refuses, naming the holder (two at once both reported
+    Succeeded, each overwriting the other's checkpoints and adapter); free again once the first ends."""
+    out = str(tmp_path / "out")
+    with local._sole_run(out):
+        with pytest.raises(UserError, match=rf"in use by another run-local \(pid {os.getpid()}\).*--output"), local._sole_run(out):
+            pass
+    with local._sole_run(out):
+        pass
