@@ -35,9 +35,9 @@ from pydantic import ValidationError
 from lora_operator.api import API_VERSION, LoraFinetuneSpec
 from lora_operator.crdgen import lora_finetune_crd
 from lora_operator.progress import progress_status
-from lora_operator.render import output_uris
+from lora_operator.render import InvalidSpec, check_jobset_name, output_uris
 from lora_trainer import exit_codes, storage
-from lora_trainer.config import TrainConfig, validation_problems, yaml_problem
+from lora_trainer.config import TrainConfig, did_you_mean, validation_problems, yaml_problem
 from lora_trainer.errors import TrainerError, UserError, device_oom_message
 
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://")
@@ -69,9 +69,20 @@ def load_manifest(path: Path) -> tuple[str, LoraFinetuneSpec]:
     obj = objs[0]
     if obj.get("apiVersion") != API_VERSION:
         raise ManifestError(f"{path}: apiVersion is {obj.get('apiVersion')!r}; set it to {API_VERSION!r}")
+    unknown = sorted(set(obj) - {"apiVersion", "kind", "metadata", "spec", "status"})
+    if unknown:  # kubectl refuses them too; a misspelt `spec:` left only "spec.model: Field required"
+        raise ManifestError(
+            f"{path}: unknown top-level field {unknown[0]!r}{did_you_mean(unknown[0], ['metadata', 'spec'])}; "
+            "a LoraFinetune has apiVersion, kind, metadata and spec"
+        )
     metadata = obj.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise ManifestError(f"{path}: metadata must be a mapping such as `metadata: {{name: my-run}}`, got {metadata!r}")
+    if metadata.get("name") is not None:
+        try:  # the cluster's rule, so a name that runs here is one `kubectl apply` takes
+            check_jobset_name(str(metadata["name"]))
+        except InvalidSpec as e:
+            raise ManifestError(f"{path}: {e}") from e
     name = str(metadata.get("name") or path.stem)
     try:
         spec = LoraFinetuneSpec.model_validate(obj.get("spec") or {})

@@ -196,3 +196,21 @@ def test_one_run_local_per_output(tmp_path: Path) -> None:
             pass
     with local._sole_run(out):
         pass
+
+
+def test_manifest_typos_are_named_with_the_field_meant(tmp_path: Path) -> None:
+    """A misspelt field gets the closest real name (it was "Extra inputs are not permitted"); a
+    misspelt top-level key is refused (`metdata:` ran under the file's name, `spce:` said only
+    that spec.model was missing); a name the cluster refuses is refused here too."""
+    spec = {**MINIMAL, "trainng": {}, "dataset": {"train": "d.jsonl", "maxSeqlen": 64}, "lora": {"targetModules": ["q_proj", "v_proj"]}}
+    with pytest.raises(local.ManifestError) as e:
+        local.load_manifest(write_manifest(tmp_path, spec))
+    assert "spec.trainng: unknown field; did you mean 'training'?" in str(e.value)
+    assert "spec.dataset.maxSeqlen: unknown field; did you mean 'maxSeqLen'?" in str(e.value)
+    assert "spec.lora.targetModules: one regex, not a list: write '.*(q_proj|v_proj)'" in str(e.value)
+    doc = {"apiVersion": "lora-operator.dev/v1alpha1", "kind": "LoraFinetune", "metdata": {"name": "t"}, "spec": MINIMAL}
+    (tmp_path / "top.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(local.ManifestError, match="unknown top-level field 'metdata'; did you mean 'metadata'"):
+        local.load_manifest(tmp_path / "top.yaml")
+    with pytest.raises(local.ManifestError, match="metadata.name: 'My_Demo' cannot name a JobSet.*'my-demo'"):
+        local.load_manifest(write_manifest(tmp_path, MINIMAL, metadata={"name": "My_Demo"}))

@@ -12,6 +12,7 @@ and in docs/reference.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from pathlib import Path
@@ -118,7 +119,7 @@ class LoraSpec(ApiModel):
     dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     """Dropout on the LoRA input during training."""
     target_modules: Annotated[str, Field(min_length=1)] = "auto"
-    """`auto` (the model family's default: all attention and MLP projections) or a regex full-matched against module paths such as `layers/0/attn/q_proj`."""
+    """`auto` (the model family's default: all attention and MLP projections) or a regex full-matched against module paths: `layers/0/attn/{q,k,v,o}_proj` and `layers/0/mlp/{gate,up,down}_proj` (Llama, Qwen), or `layers/0/attn/q_einsum`, `attn/kv_einsum/{k,v}_proj`, `attn/attn_vec_einsum` and the same MLP names (Gemma 3). The trainer logs the modules it adapts."""
     quantization: QuantizationSpec | None = None
     """QLoRA: quantize the targeted base weights."""
     restore_from: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)] | None = None
@@ -131,7 +132,7 @@ class LoraSpec(ApiModel):
             try:
                 re.compile(v)
             except re.error as e:
-                raise ValueError(f"targetModules is not a valid regex ({e}); use `auto` or e.g. `.*(q_proj|v_proj)`") from e
+                raise ValueError(f"targetModules is not a valid regex ({e}); use `auto` or e.g. `.*/attn/.*` (every attention projection)") from e
         return v
 
 
@@ -215,12 +216,37 @@ class TrainConfig(ApiModel):
         return self
 
 
+def field_names() -> list[str]:
+    """Every wire (camelCase) field name of the API models, the CR's included: what a misspelt
+    field is matched against."""
+    names: set[str] = set()
+    todo: list[type[BaseModel]] = [ApiModel]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        names.update(f.alias or name for name, f in cls.model_fields.items())
+    return sorted(names)
+
+
+def did_you_mean(name: str, candidates: list[str]) -> str:
+    """`; did you mean 'x'?` for the closest candidate (case-insensitive), or nothing."""
+    lowered = {c.lower(): c for c in candidates}
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.7)
+    return f"; did you mean {lowered[close[0]]!r}?" if close else ""
+
+
 def _problem(err: Any) -> str:
-    """Pydantic's message, with a URI pattern mismatch said in words instead of as a regex."""
+    """Pydantic's message, said as the fix where it can be: a URI pattern mismatch in words instead
+    of a regex, a misspelt field with the closest real name, a list where one regex belongs."""
     pattern = err.get("ctx", {}).get("pattern")
     if err["type"] == "string_pattern_mismatch" and pattern in (URI_PATTERN, OUTPUT_URI_PATTERN):
         allowed = "a local path, gs://BUCKET/PATH or file:///PATH" + (" or hf://ORG/NAME" if pattern == URI_PATTERN else "")
         return f"{err['input']!r} is not a supported location; use {allowed}"
+    if err["type"] == "extra_forbidden" and err["loc"]:
+        return f"unknown field{did_you_mean(str(err['loc'][-1]), field_names()) or '; remove it or fix its spelling'}"
+    names = err["input"] if err["type"] == "string_type" and isinstance(err["input"], list) else None
+    if names and err["loc"][-1:] == ("targetModules",) and all(isinstance(n, str) for n in names):
+        return f"one regex, not a list: write {'.*(' + '|'.join(names) + ')'!r}"
     return str(err["msg"])
 
 

@@ -13,6 +13,7 @@ name the regex or module and list what would have worked.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +29,8 @@ from lora_trainer.errors import UserError
 from lora_trainer.lora_provider import LoraProvider
 from lora_trainer.models.forward import positions_and_mask
 from lora_trainer.models.spec import FamilySpec
+
+log = logging.getLogger(__name__)
 
 #: Train-config weightQtype -> Qwix qtype.
 QTYPES: dict[str, Any] = {"nf4": "nf4", "int4": jnp.int4, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -159,6 +162,9 @@ def apply_lora(
     missed = sorted(set(matched) - set(created))
     if missed:
         raise AssertionError(f"Qwix created no LoRA params on matched modules {missed}: the model's call path changed")
+    # Said once, so that a regex written for another family's names (q_proj on Gemma 3, whose
+    # query projection is q_einsum) shows what it left out.
+    log.info("LoRA on %d modules (lora.targetModules %r): %s", len(created), regex, _summarise(created))
     return LoraApplied(model=lora_model, target_regex=regex, module_paths=created)
 
 
