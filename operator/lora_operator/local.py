@@ -18,7 +18,6 @@ import contextlib
 import fcntl
 import io
 import json
-import logging
 import os
 import re
 import shutil
@@ -339,19 +338,6 @@ def loss_plot_png(records: list[dict[str, Any]], title: str) -> bytes:
 # --- the run ----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _quiet_orbax() -> Iterator[None]:
-    """Orbax warns (through absl) about every checkpoint item an adapter-only read skips; the
-    export reads only the LoRA item on purpose, so those warnings say nothing to a user."""
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        absl.setLevel(level)
-
-
 def _device_summary() -> str:
     """What the TPU column shows locally: the JAX platform and device count, e.g. `local cpu x1`."""
     import jax
@@ -370,8 +356,7 @@ def _export(checkpoint_root: str, uris: dict[str, str]) -> None:
 
     for key, uri in uris.items():
         _say(f"exporting {'the merged model' if key == 'merged' else 'the HF PEFT adapter'} to {display_path(uri)}")
-        with _quiet_orbax():
-            export_checkpoint(checkpoint_root, uri, merged=key == "merged")
+        export_checkpoint(checkpoint_root, uri, merged=key == "merged")
 
 
 def _plot(metrics_uri: str, records: list[dict[str, Any]], title: str) -> str:
