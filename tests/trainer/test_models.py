@@ -334,6 +334,13 @@ def test_bad_checkpoints_name_the_file_or_key(tmp_path: Path, tiny_dirs: dict[st
 
     with pytest.raises(UserError, match="model.family is 'qwen3' but .* describes a llama3 model"):
         load_model(str(good), family="qwen3")
+    # A derivative's config.json with a model_type of its own: detection fails, a given family is trusted.
+    derivative = _copy(good, tmp_path / "derivative")
+    (derivative / "config.json").write_text(json.dumps({**{k: v for k, v in cfg.items() if k != "architectures"},
+                                                        "model_type": "my_llama"}))
+    with pytest.raises(UserError, match="model_type 'my_llama'.*not a supported family"):
+        load_model(str(derivative))
+    assert load_model(str(derivative), family="llama3").family.name == "llama3"
 
     incomplete = _copy(good, tmp_path / "incomplete")
     (incomplete / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "intermediate_size"}))

@@ -15,7 +15,8 @@ from typing import Any
 
 from lora_trainer import storage
 from lora_trainer.errors import UserError
-from lora_trainer.models import FamilySpec, detect_family, get_family
+from lora_trainer.models import FamilySpec, get_family
+from lora_trainer.models.registry import family_name
 from lora_trainer.models.loading import read_hf_config
 
 
@@ -31,14 +32,8 @@ class BaseShapes:
 
 
 def resolve_family(hf_config: dict[str, Any], family: str | None, where: str) -> FamilySpec:
-    """The family of config.json; an explicit `family` must agree with it."""
-    detected = detect_family(hf_config)
-    if family is not None and family != detected:
-        raise UserError(
-            f"--family is {family!r} but {where} describes a {detected} model "
-            f"(model_type {hf_config.get('model_type')!r}): drop --family or use the right base model"
-        )
-    return get_family(detected)
+    """The family of config.json; an explicit `family` must agree with it (see `family_name`)."""
+    return get_family(family_name(hf_config, family, where=where, field="--family"))
 
 
 def base_shapes(base_uri: str, family: str | None = None) -> BaseShapes:

@@ -25,7 +25,7 @@ from flax import nnx
 from lora_trainer import storage
 from lora_trainer.errors import UserError
 from lora_trainer.models.mapping import expand_rules
-from lora_trainer.models.registry import detect_family, get_family
+from lora_trainer.models.registry import family_name, get_family
 from lora_trainer.models.safetensors_io import SafetensorsCheckpoint
 from lora_trainer.models.spec import FamilySpec
 
@@ -181,13 +181,7 @@ def load_model(
         raise UserError(f"model.dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     directory = resolve_local_dir(source)
     hf_config = read_hf_config(directory)
-    detected = detect_family(hf_config)
-    name = family or detected
-    if family is not None and family != detected:
-        raise UserError(
-            f"model.family is {family!r} but {directory / 'config.json'} describes a {detected} model "
-            f"(model_type {hf_config.get('model_type')!r}); drop model.family or fix it"
-        )
+    name = family_name(hf_config, family, where=str(directory / "config.json"), field="model.family")
     tensors = SafetensorsCheckpoint(directory)
     spec, hf_config = get_family(name).for_checkpoint(hf_config, tensors.keys())
     abstract = build_abstract(spec, hf_config, dtype)

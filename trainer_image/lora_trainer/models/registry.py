@@ -42,8 +42,27 @@ def detect_family(hf_config: Mapping[str, Any]) -> str:
     raise UserError(
         f"config.json has model_type {model_type!r} (architectures {list(architectures)}), which is not a "
         f"supported family; supported: {', '.join(FAMILIES)} (model_type "
-        f"{', '.join(t for types, _ in _DETECT.values() for t in types)}); set model.family only for one of those"
+        f"{', '.join(t for types, _ in _DETECT.values() for t in types)}); if the model is one of those under a "
+        "model_type of its own, set model.family"
     )
+
+
+def family_name(hf_config: Mapping[str, Any], family: str | None, *, where: str, field: str) -> str:
+    """The family of config.json (`where`), or the given one (`field`, e.g. `model.family`): trusted
+    where config.json names no supported family (a derivative's own model_type), refused where it
+    names another."""
+    if family is None:
+        return detect_family(hf_config)
+    try:
+        detected = detect_family(hf_config)
+    except UserError:
+        return family
+    if family != detected:
+        raise UserError(
+            f"{field} is {family!r} but {where} describes a {detected} model "
+            f"(model_type {hf_config.get('model_type')!r}); drop {field} or fix it"
+        )
+    return family
 
 
 @functools.cache
