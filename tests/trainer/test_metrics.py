@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_trainer.metrics import mfu, peak_flops_per_device
+from lora_trainer.metrics import lora_train_flops_per_token, mfu, peak_flops_per_device
 
 
 @pytest.mark.parametrize(
@@ -30,3 +30,12 @@ def test_peak_flops_by_device_kind(kind, peak):
 def test_mfu_is_null_when_any_peak_is_unknown():
     assert mfu(1000.0, 1e9, ["NVIDIA L4"]) == pytest.approx(1e12 / 121e12)
     assert mfu(1000.0, 1e9, ["cpu", "cpu"]) is None
+
+
+def test_flops_per_token_counts_attentions_backward_as_two_forwards():
+    """Causal attention forward: 2 * seq * width per layer (scores and values, half the square); its
+    backward forms the gradients of q, k and v: twice that (it was counted as one forward)."""
+    attention = lora_train_flops_per_token(matmul_params=0, lora_params=0, num_layers=4, attn_width=512, seq_len=256)
+    assert attention == 3 * (2 * 256 * 512) * 4
+    # Frozen weights: forward + activation gradients (4N); LoRA weights also get weight gradients (6N).
+    assert lora_train_flops_per_token(matmul_params=1000, lora_params=10, num_layers=0, attn_width=0, seq_len=0) == 4060

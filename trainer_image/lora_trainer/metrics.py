@@ -45,12 +45,13 @@ def lora_train_flops_per_token(
     """FLOPs to train on one token with frozen base weights (see module docstring).
 
     `matmul_params`: base weights used in matmuls (projections and the LM head; not the
-    embedding lookup). `attn_width`: num_heads * head_dim. Attention scores and values cost
-    2 * 2 * seq * width per layer forward (causal halves it), twice that with the backward.
+    embedding lookup). `attn_width`: num_heads * head_dim. Attention's two products (scores,
+    values) cost 2 * 2 * seq * width per layer forward, halved by causality; the backward forms
+    four (the gradients of q, k and v all reach adapted projections): twice the forward.
     """
     base = 4.0 * matmul_params
     lora = 6.0 * lora_params  # LoRA weights do get weight gradients
-    attention = 2 * 2.0 * num_layers * seq_len * attn_width  # forward (causal ~ 1/2 of 4*L*T*W) x (fwd + bwd)
+    attention = 3 * 2.0 * num_layers * seq_len * attn_width  # (fwd + 2 x fwd) x causal forward 2*L*T*W
     return base + lora + attention
 
 
