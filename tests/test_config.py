@@ -5,7 +5,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from lora_trainer.config import TrainConfig, dump_train_config, load_train_config
+from lora_trainer.config import TrainConfig, dump_train_config, load_train_config, validation_problems
 
 MINIMAL = {"model": {"source": "gs://models/llama"}, "dataset": {"train": "data/train.jsonl"}, "output": {"uri": "gs://runs/a"}}
 
@@ -85,3 +85,27 @@ def test_the_trainer_cli_refuses_a_bad_config_file_with_the_user_error_code(tmp_
         err = capsys.readouterr().err
         assert str(path) in err and message in err and "Traceback" not in err
         assert err.count("\n") == 1, err  # one paragraph
+
+
+@pytest.mark.parametrize(
+    ("uri", "ok"),
+    [
+        ("/home/me/My Projects/lora/data/train.jsonl", True),  # a checkout under a directory with a space
+        ("data/run:1/train.jsonl", True),
+        ("file:///tmp/a b", True),
+        ("../data", True),
+        ("s3://bucket/train.jsonl", False),  # another scheme is no local path
+        ("C:/data", False),
+        ("gs://b/x", False),  # bucket names have 3+ characters
+    ],
+)
+def test_local_paths_may_hold_spaces_and_colons(uri, ok):
+    """The local path pattern refused any space or colon, so `make demo` failed in a checkout under
+    "My Projects" with "... is not a supported location; use a local path"."""
+    spec = {**MINIMAL, "dataset": {**MINIMAL["dataset"], "train": uri}, "output": {"uri": uri.replace("train.jsonl", "out")}}
+    if ok:
+        TrainConfig.model_validate(spec)
+    else:
+        with pytest.raises(ValidationError) as e:
+            TrainConfig.model_validate(spec)
+        assert f"dataset.train: {uri!r} is not a supported location" in validation_problems(e.value)

@@ -24,11 +24,14 @@ from pydantic.alias_generators import to_camel
 
 from lora_trainer.errors import UserError
 
-#: Inputs: `gs://bucket/path` (bucket 3-63 chars), `hf://org/name`, `file:///abs` or a local path (no scheme).
+#: Inputs: `gs://bucket/path` (bucket 3-63 chars), `hf://org/name`, `file:///abs` or a local path:
+#: absolute, or relative with no `:` in its first segment (so `s3://x` is no local path). Local
+#: paths may hold spaces and colons (a checkout under "My Projects" failed `make demo`).
 #: RE2-compatible, since the API server evaluates the same pattern.
-URI_PATTERN = r"^(gs://[a-z0-9][-a-z0-9_.]{1,61}[a-z0-9](/[^\s]*)?|hf://[^/\s]+/[^\s]+|file:///[^\s]*|[^:\s]+)$"
+_LOCAL = r"file:///[^\n]*|/[^\n]*|[^:/\n]+(/[^\n]*)?"
+URI_PATTERN = rf"^(gs://[a-z0-9][-a-z0-9_.]{{1,61}}[a-z0-9](/[^\s]*)?|hf://[^/\s]+/[^\s]+|{_LOCAL})$"
 #: Outputs: as inputs but without `hf://`, which is read-only.
-OUTPUT_URI_PATTERN = r"^(gs://[a-z0-9][-a-z0-9_.]{1,61}[a-z0-9](/[^\s]*)?|file:///[^\s]*|[^:\s]+)$"
+OUTPUT_URI_PATTERN = rf"^(gs://[a-z0-9][-a-z0-9_.]{{1,61}}[a-z0-9](/[^\s]*)?|{_LOCAL})$"
 
 Family = Literal["llama3", "qwen3", "qwen2", "gemma3"]
 DType = Literal["float32", "bfloat16", "float16"]
