@@ -182,7 +182,10 @@ def progress_line(record: dict[str, Any], *, bar_width: int = 0) -> str:
     step, total = int(record.get("step", 0)), max(int(record.get("totalSteps", 0)), 1)
     loss = record.get("loss")
     text = f"step {step}/{total}  loss {loss:.4f}" if isinstance(loss, int | float) else f"step {step}/{total}  loss ?"
-    text += f"  {_tokens_per_second(record)}  ETA {_eta(record)}"
+    if record.get("tokensPerSecond") is None and record.get("stepTimeSeconds") is None and "stepTimeSeconds" in record:
+        text += "  (compiled the train step; timing from the next step)"  # the trainer leaves this step untimed
+    else:
+        text += f"  {_tokens_per_second(record)}  ETA {_eta(record)}"
     if bar_width > 0:
         done = min(bar_width, bar_width * step // total)
         text = f"[{'#' * done}{'.' * (bar_width - done)}] {100 * step // total:3d}%  {text}"

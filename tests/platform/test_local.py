@@ -132,6 +132,8 @@ def test_progress_line_and_bar() -> None:
     assert local.progress_line(record) == "step 150/300  loss 2.3457  1.2k tok/s  ETA 35s"
     assert local.progress_line(record, bar_width=10).startswith("[#####.....]  50%  step 150/300")
     assert "ETA 2m30s" in local.progress_line({"step": 1, "totalSteps": 2, "etaSeconds": 150})
+    untimed = {"step": 1, "totalSteps": 2, "loss": 2.0, "tokensPerSecond": None, "stepTimeSeconds": None, "eta": None}
+    assert local.progress_line(untimed) == "step 1/2  loss 2.0000  (compiled the train step; timing from the next step)"
 
 
 def test_progress_view_redraws_on_a_terminal_and_prints_lines_otherwise() -> None:

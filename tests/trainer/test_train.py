@@ -166,6 +166,10 @@ def test_incompatibilities_name_the_changed_fields():
     saved = {"baseModel": "gs://m/a", "family": "llama3", "rank": 8, "alpha": 16.0, "targetModules": "x", "quantization": None}
     assert incompatibilities(saved, dict(saved)) == []
     assert incompatibilities(saved, {**saved, "baseModel": "gs://m/a/"}) == []  # the same directory
+    # The same files at another path (a moved project directory) are the same base; other files are not.
+    moved = {**saved, "baseModel": "/new/place/tiny", "baseModelFingerprint": "f1"}
+    assert incompatibilities({**saved, "baseModel": "/old/place/tiny", "baseModelFingerprint": "f1"}, moved) == []
+    assert incompatibilities({**saved, "baseModel": "/old/place/tiny", "baseModelFingerprint": "f0"}, moved) != []
     changed = incompatibilities(saved, {**saved, "rank": 4, "baseModel": "gs://m/b"})
     assert changed == ["model.source (checkpoint: 'gs://m/a', config: 'gs://m/b')", "lora.rank (checkpoint: 8, config: 4)"]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import signal
 import sys
@@ -29,6 +30,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -246,12 +248,25 @@ def _restore_train_state(trainer: LoraPeftTrainer, saved: dict[str, Any]) -> Non
 
 
 def incompatibilities(saved: dict[str, Any], expected: dict[str, Any]) -> list[str]:
-    """What differs between a checkpoint's metadata and this config, as `field: checkpoint X, config Y`. Pure."""
+    """What differs between a checkpoint's metadata and this config, as `field: checkpoint X, config Y`. Pure.
+
+    A base model at another path with the same files (`baseModelFingerprint`) is the same base: a
+    project directory moved or renamed, which the local mode's absolute paths follow."""
+    same_files = bool(saved.get("baseModelFingerprint")) and saved.get("baseModelFingerprint") == expected.get("baseModelFingerprint")
     return [
         f"{field} (checkpoint: {saved.get(key)!r}, config: {expected[key]!r})"
         for key, field in _COMPATIBILITY
-        if _comparable(key, saved.get(key)) != _comparable(key, expected[key])
+        if _comparable(key, saved.get(key)) != _comparable(key, expected[key]) and not (key == "baseModel" and same_files)
     ]
+
+
+def base_fingerprint(model_dir: Path) -> str:
+    """sha256 of a checkpoint directory's config.json and its safetensors files' names and sizes:
+    cheap (no weights read), and it tells a moved copy of a base model from another model."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    return digest.hexdigest()
 
 
 def _comparable(key: str, value: Any) -> Any:
@@ -438,6 +453,7 @@ class _Run:
             "targetModules": resolve_target_regex(cfg.lora.target_modules, loaded.family),
             "quantization": cfg.lora.quantization.to_wire() if cfg.lora.quantization else None,
             "numLayers": loaded.family.num_layers(loaded.hf_config),
+            "baseModelFingerprint": base_fingerprint(loaded.local_dir),
         }
         resume_step = checkpoint.latest_committed_step(self.root)
         if resume_step is not None:
