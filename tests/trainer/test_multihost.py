@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from gcs_emulator import free_port
@@ -54,7 +56,10 @@ def test_mesh_shape():
 
 @pytest.mark.slow
 def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tmp_path):
-    base = train_config(tmp_path, "", steps=5, checkpointEvery=5)
+    # Micro-batches of 2 rows, one per host: Tunix alone declared such a batch replicated (each host
+    # trained on its row as the whole batch; 0.04 off); the eval batches likewise.
+    base = train_config(tmp_path, "", steps=5, checkpointEvery=5, gradientAccumulation=2)
+    base["dataset"]["eval"] = base["dataset"]["train"]
     one = write_config(tmp_path / "one.json", {**base, "output": {"uri": str(tmp_path / "one")}})
     two = write_config(tmp_path / "two.json", {**base, "output": {"uri": str(tmp_path / "two")}})
     cpu = {"JAX_PLATFORMS": "cpu"}
@@ -86,6 +91,9 @@ def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tm
     moved = max(float(np.max(np.abs(a[m][n]))) for m in a for n in a[m] if n.endswith("_b"))
     assert moved > 1e-3  # B starts at zero: training moved it
     assert diff <= 1e-6, diff
+    evals = [[r["eval/loss"] for r in map(json.loads, (tmp_path / n / "metrics.jsonl").read_text().splitlines()) if "eval/loss" in r]
+             for n in ("one", "two")]
+    assert len(evals[0]) == 1 and evals[1] == pytest.approx(evals[0], abs=1e-6), evals
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,8 @@ from lora_trainer.progress import IntervalTimer, ProgressCallback, ProgressSink,
 log = logging.getLogger(__name__)
 
 _REPLICATED = jax.sharding.PartitionSpec()
+#: How every batch array is split: its rows over the mesh's data and fsdp axes together.
+_BATCH = jax.sharding.PartitionSpec(("data", "fsdp"))
 
 #: Metadata keys whose change makes an existing checkpoint unusable, with the config field users change.
 _COMPATIBILITY = (
@@ -191,12 +193,24 @@ def make_trainer(model: nnx.Module, t: TrainingSpec) -> LoraPeftTrainer:
             max_steps=None,
             gradient_accumulation_steps=t.gradient_accumulation if t.gradient_accumulation > 1 else None,
             checkpoint_root_directory=None,
-            data_sharding_axis=(("data", "fsdp"),),
+            data_sharding_axis=tuple(_BATCH),
             pbar_description=None,
         ),
     )
     trainer.with_loss_fn(lm_loss, has_aux=True).with_gen_model_input_fn(model_inputs)
     return trainer
+
+
+def on_mesh(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """This process's rows of a batch as global arrays, rows split over the mesh's (data, fsdp) axes.
+
+    Tunix shards a host batch itself, but decides by the *local* shape: with several hosts, a
+    micro-batch whose rows per host did not divide data x fsdp (2 hosts x 4 chips, 8 rows) was
+    declared replicated, and every host trained on its own rows as if they were the whole batch,
+    silently. Arrays already on the mesh with this sharding pass Tunix through untouched.
+    """
+    sharding = jax.sharding.NamedSharding(mesh, _BATCH)
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
 def _weighted_loss(aux: list[dict[str, jax.Array]]) -> tuple[float, int, int]:
@@ -590,7 +604,7 @@ class _Run:
                 if saved_step != step:
                     save(step)
                 raise self.stop.error(step, self.root)
-            micro_batches = [next(stream) for _ in range(t.gradient_accumulation)]
+            micro_batches = [on_mesh(next(stream), self.mesh) for _ in range(t.gradient_accumulation)]
             if compiled:
                 trainer.train(micro_batches)
                 timed_steps += 1
@@ -624,7 +638,7 @@ class _Run:
                 # After a SIGTERM the checkpoint comes first: an eval pass could outlast the grace period.
                 due = step == t.steps or (t.eval_every is not None and step % t.eval_every == 0)
                 if eval_ds and due and not self.stop.requested():
-                    eval_loss = self._evaluate(trainer, eval_ds)
+                    eval_loss = self._evaluate(trainer, (on_mesh(b, self.mesh) for b in eval_ds))
                     sink.scalar("eval/loss", eval_loss, step)
                     log.info("step %d: eval loss %.4f", step, eval_loss)
                 if step % t.checkpoint_every == 0 or step == t.steps:
@@ -643,7 +657,7 @@ class _Run:
         )
 
     @staticmethod
-    def _evaluate(trainer: LoraPeftTrainer, eval_ds: list[dict[str, np.ndarray]]) -> float:
+    def _evaluate(trainer: LoraPeftTrainer, eval_ds: Iterable[dict[str, jax.Array]]) -> float:
         """One pass over the eval set with Tunix's eval step; token-weighted mean loss."""
         trainer.eval_aux.clear()
         trainer.train([], eval_ds=eval_ds)
