@@ -239,7 +239,7 @@ def _stream(seqs, **kw) -> data.BatchStream:
     return data.BatchStream(seqs, **{**base, **kw})
 
 
-def test_stream_is_seeded_sharded_and_resumable():
+def test_stream_is_seeded_and_resumable():
     seqs = [data._single(e) for e in _examples([3, 4, 5, 6, 7, 3, 4])]
     one = [next(s) for s in [_stream(seqs)] for _ in range(6)]
     again = [next(s) for s in [_stream(seqs)] for _ in range(6)]
@@ -250,14 +250,6 @@ def test_stream_is_seeded_sharded_and_resumable():
     firsts = np.concatenate([b["input_tokens"][:, 0] for b in one])[:7]
     assert sorted(firsts.tolist()) == sorted(s.tokens[0] for s in seqs)
 
-    # Two hosts each take half of every global batch; together they see what one host sees.
-    halves = [_stream(seqs, process_index=p, process_count=2) for p in (0, 1)]
-    for full in one:
-        parts = [next(h) for h in halves]
-        assert parts[0]["input_tokens"].shape == (2, 8)
-        for k in full:
-            np.testing.assert_array_equal(np.concatenate([parts[0][k], parts[1][k]]), full[k])
-
     # Resume: a new stream restored from the state after 2 batches continues with batch 3.
     s = _stream(seqs)
     next(s), next(s)
@@ -266,11 +258,6 @@ def test_stream_is_seeded_sharded_and_resumable():
     resumed.restore(state)
     for k in range(2, 6):
         np.testing.assert_array_equal(next(resumed)["input_tokens"], one[k]["input_tokens"])
-
-
-def test_stream_rejects_batches_that_do_not_split_over_hosts():
-    with pytest.raises(UserError, match="multiple of the number of hosts"):
-        _stream([data._single(e) for e in _examples([3])], global_batch=3, process_count=2)
 
 
 def test_tokenizer_comes_from_the_model_dir_only(tmp_path, tok):

@@ -97,6 +97,35 @@ def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tm
 
 
 @pytest.mark.slow
+def test_tensor_parallelism_across_hosts_feeds_every_host_the_whole_batch(tmp_path):
+    """tp=2 over two one-device hosts: no mesh axis splits the rows, so both hosts feed every row.
+    With a fixed half of each batch per host, each host's half was taken for the whole batch
+    (step 1's loss 6.47 against 6.39): the adapter must equal one process with two devices."""
+    cfg = train_config(tmp_path, "", steps=3, checkpointEvery=3, mesh={"tp": 2})
+    paths = {n: write_config(tmp_path / f"{n}.json", {**cfg, "output": {"uri": str(tmp_path / n)}}) for n in ("one", "two")}
+    cpu = {"JAX_PLATFORMS": "cpu"}
+    common = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_PROCESS_COUNT": "2", "JAX_NUM_CPU_DEVICES": "1", **cpu}
+    procs = [
+        start_trainer(paths["one"], tmp_path / "one.log", JAX_NUM_CPU_DEVICES="2", **cpu),
+        start_trainer(paths["two"], tmp_path / "p0.log", JAX_PROCESS_ID="0", **common),
+        start_trainer(paths["two"], tmp_path / "p1.log", JAX_PROCESS_ID="1", **common),
+    ]
+    try:
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [exit_codes.OK] * 3, {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in ("one", "p0", "p1")}
+    losses = {n: [r["loss"] for r in progress_lines(tmp_path / f"{n}.log")] for n in ("one", "p0")}
+    assert losses["p0"] == pytest.approx(losses["one"], abs=1e-5), losses
+    a, _ = checkpoint.read_lora(str(tmp_path / "one" / "checkpoints"))
+    b, _ = checkpoint.read_lora(str(tmp_path / "two" / "checkpoints"))
+    assert max(float(np.max(np.abs(a[m][n] - b[m][n]))) for m in a for n in a[m]) <= 1e-6
+
+
+@pytest.mark.slow
 def test_a_bfloat16_base_trains_sharded_by_fsdp_and_by_tp(tmp_path):
     """bf16 (the default dtype) runs its matmuls through `accumulating_dot`'s custom backward; on a
     two-device mesh, split by fsdp or by tensor parallelism, it trains to the same loss."""

@@ -340,7 +340,12 @@ def collate(seqs: list[Sequence], rows: int, length: int, pad_id: int) -> dict[s
 
 
 class BatchStream:
-    """Endless, seeded, resumable stream of this process's share of each global (micro-)batch.
+    """Endless, seeded, resumable stream of global (micro-)batches.
+
+    Every host makes the whole global batch (every host holds every sequence), and
+    `train.on_mesh` puts on each host's devices the rows they hold, however the mesh lays them
+    out: a fixed share per host went wrong wherever the mesh did not split rows across hosts
+    (tensor parallelism spanning hosts), each host then feeding its share as the whole batch.
 
     Batch k holds stream items [k*B, (k+1)*B) where the stream is the concatenation of
     per-epoch permutations (seeded by (seed, epoch)) of the sequences. Position = batches
@@ -362,19 +367,10 @@ class BatchStream:
         seq_len: int,
         seed: int,
         pad_id: int,
-        process_index: int = 0,
-        process_count: int = 1,
         accumulation: int = 1,
     ) -> None:
-        if global_batch % process_count:
-            raise UserError(
-                f"the batch ({global_batch} rows) does not split evenly over {process_count} hosts: make "
-                "training.globalBatchSize / training.gradientAccumulation a multiple of the number of hosts"
-            )
         self._seqs = sequences
         self._global_batch = global_batch
-        self._local = global_batch // process_count
-        self._offset = process_index * self._local
         self._seq_len = seq_len
         self._seed = seed
         self._pad_id = pad_id
@@ -420,7 +416,7 @@ class BatchStream:
         return self
 
     def _loss_norm(self) -> float:
-        """Loss targets of the current optimizer step's global batch, per micro-batch."""
+        """Loss targets of the current optimizer step's batch, per micro-batch."""
         step = self._batches // self._accumulation
         if step != self._norm_step:
             first = step * self._accumulation * self._global_batch
@@ -430,22 +426,18 @@ class BatchStream:
         return self._norm
 
     def __next__(self) -> dict[str, np.ndarray]:
-        start = self._batches * self._global_batch + self._offset
+        start = self._batches * self._global_batch
         norm = self._loss_norm()
-        seqs = [self._item(j) for j in range(start, start + self._local)]
+        seqs = [self._item(j) for j in range(start, start + self._global_batch)]
         self._batches += 1
-        batch = collate(seqs, self._local, self._seq_len, self._pad_id)
-        batch["loss_norm"] = np.full(self._local, norm, np.float32)
+        batch = collate(seqs, self._global_batch, self._seq_len, self._pad_id)
+        batch["loss_norm"] = np.full(self._global_batch, norm, np.float32)
         return batch
 
 
 def eval_batches(
-    sequences: list[Sequence], *, global_batch: int, seq_len: int, pad_id: int, process_index: int = 0, process_count: int = 1
+    sequences: list[Sequence], *, global_batch: int, seq_len: int, pad_id: int
 ) -> list[dict[str, np.ndarray]]:
-    """One pass over the eval set in file order; the last batch is filled up with padding rows."""
-    local = global_batch // process_count
-    out = []
-    for start in range(0, len(sequences), global_batch):
-        chunk = sequences[start : start + global_batch]
-        out.append(collate(chunk[process_index * local : (process_index + 1) * local], local, seq_len, pad_id))
-    return out
+    """One pass over the eval set in file order, whole batches as `BatchStream`'s; the last is filled
+    up with padding rows."""
+    return [collate(sequences[start : start + global_batch], global_batch, seq_len, pad_id) for start in range(0, len(sequences), global_batch)]

@@ -202,15 +202,17 @@ def make_trainer(model: nnx.Module, t: TrainingSpec) -> LoraPeftTrainer:
 
 
 def on_mesh(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
-    """This process's rows of a batch as global arrays, rows split over the mesh's (data, fsdp) axes.
+    """A global batch (every host holds all of it) as global arrays, rows split over the mesh's
+    (data, fsdp) axes: each host places only the rows its own devices hold.
 
-    Tunix shards a host batch itself, but decides by the *local* shape: with several hosts, a
-    micro-batch whose rows per host did not divide data x fsdp (2 hosts x 4 chips, 8 rows) was
-    declared replicated, and every host trained on its own rows as if they were the whole batch,
-    silently. Arrays already on the mesh with this sharding pass Tunix through untouched.
+    Tunix shards a per-host batch itself, deciding by the host's *local* shape: with several
+    hosts, a micro-batch whose rows per host did not divide data x fsdp (2 hosts x 4 chips, 8
+    rows) was declared replicated, and where the mesh did not split rows across hosts (tensor
+    parallelism spanning them) each host's share was taken for the whole batch: every host trained
+    on other rows, silently. Arrays already on the mesh with this sharding pass Tunix untouched.
     """
     sharding = jax.sharding.NamedSharding(mesh, _BATCH)
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index]) for k, v in batch.items()}
 
 
 def _weighted_loss(aux: list[dict[str, jax.Array]]) -> tuple[float, int, int]:
@@ -506,8 +508,6 @@ class _Run:
             seq_len=seq_len,
             seed=t.seed,
             pad_id=pad_id,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
             accumulation=t.gradient_accumulation,
         )
         eval_ds = None
@@ -518,8 +518,6 @@ class _Run:
                 global_batch=micro,
                 seq_len=_seq_len(eval_seqs, cfg.dataset.max_seq_len),  # its own: an eval example may be longer
                 pad_id=pad_id,
-                process_index=jax.process_index(),
-                process_count=jax.process_count(),
             )
 
         restored = None
