@@ -373,15 +373,14 @@ def _plot(metrics_uri: str, records: list[dict[str, Any]], title: str) -> str:
 def _sole_run(output_uri: str) -> Iterator[None]:
     """Hold `<output>/.run-local.lock` while training and exporting: a second run-local on the same
     output refuses (two at once both reported Succeeded, each overwriting the other's checkpoints,
-    metrics and adapter). gs:// outputs have no such lock; an output that cannot be created is
+    metrics and adapter). gs:// outputs have no such lock; an output that cannot be written is
     left for the trainer to report."""
     if storage.is_gcs(output_uri):
         yield
         return
-    out = storage.absolute_local_path(output_uri)
+    storage.check_output_location(output_uri, "output.uri")  # the trainer's own first check, made earlier
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        lock = (out / ".run-local.lock").open("a+")
+        lock = (storage.absolute_local_path(output_uri) / ".run-local.lock").open("a+")
     except OSError:
         yield
         return
