@@ -279,12 +279,17 @@ def _sync_jobset(kube: Kube, settings: OperatorSettings, cr: dict[str, Any], job
     _write_status(kube, cr, obs, **progress)
 
 
+def _create_export_jobs(kube: Kube, cr: dict[str, Any], spec: LoraFinetuneSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
+    """Create (or adopt) the run's export Jobs; raises InvalidSpec or CannotCreate as creating does."""
+    jobs = render_export_jobs(Owner.from_body(cr), spec, settings)
+    for job in jobs:
+        kube.create_or_adopt(job)
+    return jobs
+
+
 def _start_export(kube: Kube, cr: dict[str, Any], settings: OperatorSettings, obs: st.Observation, **progress: Any) -> None:
     try:
-        spec = parse_spec(LoraFinetuneSpec, cr)
-        jobs = render_export_jobs(Owner.from_body(cr), spec, settings)
-        for job in jobs:
-            kube.create_or_adopt(job)
+        jobs = _create_export_jobs(kube, cr, parse_spec(LoraFinetuneSpec, cr), settings)
     except (InvalidSpec, CannotCreate) as e:
         _write_status(kube, cr, st.Observation("Failed", "ExportFailed", f"cannot start the export: {e}", obs.restarts), **progress)
         return
@@ -316,8 +321,7 @@ def _sync_export(kube: Kube, settings: OperatorSettings, cr: dict[str, Any]) -> 
         # Created before the phase became Exporting, so a missing one was deleted (by hand, or by its
         # TTL while the operator was away): export again; it rewrites the same files from the checkpoint.
         try:
-            for job in render_export_jobs(Owner.from_body(cr), spec, settings):
-                kube.create_or_adopt(job)
+            _create_export_jobs(kube, cr, spec, settings)
         except (InvalidSpec, CannotCreate) as e:
             _write_status(kube, cr, st.Observation("Failed", "ExportFailed", f"an export Job was deleted and cannot be created again: {e}"))
             return
