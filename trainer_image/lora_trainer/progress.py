@@ -63,14 +63,18 @@ def progress_record(
         "totalSteps": total_steps,
         "loss": _finite(loss),
         "learningRate": float(learning_rate),
-        "tokensPerSecond": None if tokens_per_second is None else float(tokens_per_second),
-        "stepTimeSeconds": None if step_time_seconds is None else float(step_time_seconds),
-        "etaSeconds": None if eta is None else float(eta),
+        "tokensPerSecond": _float(tokens_per_second),
+        "stepTimeSeconds": _float(step_time_seconds),
+        "etaSeconds": _float(eta),
         "eta": None if eta is None else format_eta(eta),
-        "mfu": None if mfu is None else float(mfu),
+        "mfu": _float(mfu),
         "lastCheckpoint": last_checkpoint,
         "time": now_rfc3339(),
     }
+
+
+def _float(x: float | None) -> float | None:
+    return None if x is None else float(x)
 
 
 def _finite(x: float) -> float | None:
