@@ -142,12 +142,17 @@ def lft_reconcile(
         kube.merge_patch(API_VERSION, "LoraFinetune", meta["namespace"], meta["name"],
                          {"status": _initial_status(spec, shape, names, dict(status), generation)}, status=True)
     try:  # any other error may pass (an outage, RBAC being fixed): kopf retries
-        for m in manifests:
-            kube.create_or_adopt(m)
+        created = [m["kind"] for m in manifests if kube.create_or_adopt(m)]
     except CannotCreate as e:
         _fail(dict(body), patch, dict(status), e.reason, str(e), generation)
         return
-    if fresh:
+    if "JobSet" not in created:
+        return
+    if status.get("startTime"):  # it had run: deleted while the operator was away (a restart resumes here)
+        _event("Warning", dict(body), reason="JobSetRecreated",
+               message=f"JobSet {names.jobset} was missing when the operator resumed this run; created it again, training "
+                       "resumes from the last checkpoint (to stop a run, delete or suspend the LoraFinetune)")
+    else:
         _event("Normal", dict(body), reason="Created", message=f"created ConfigMap {names.config_map} and JobSet {names.jobset}")
 
 
@@ -359,11 +364,16 @@ def adc_reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: 
         memo.kube.merge_patch(API_VERSION, "AdapterConversion", meta["namespace"], meta["name"],
                               {"status": st.status_patch({}, obs, generation, st.now_rfc3339(), jobName=name)}, status=True)
     try:
-        memo.kube.create_or_adopt(job)
+        created = memo.kube.create_or_adopt(job)
     except CannotCreate as e:
         _fail(dict(body), patch, dict(status), e.reason, str(e), generation)
         return
-    if fresh:
+    if not created:
+        return
+    if status.get("startTime"):  # it had run: deleted while the operator was away (a restart resumes here)
+        _event("Warning", dict(body), reason="ConversionRecreated",
+               message=f"conversion Job {name} was missing when the operator resumed this conversion; created it again")
+    else:
         _event("Normal", dict(body), reason="Created", message=f"created conversion Job {name}")
 
 

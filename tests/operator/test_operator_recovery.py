@@ -87,6 +87,36 @@ async def test_a_restart_that_also_changes_the_phase_posts_restarted():
         await h.wait_for(lambda: _has_event(h, "run-1", "Restarted"), what="Restarted event")
 
 
+async def test_children_deleted_while_the_operator_was_away_come_back_with_an_event():
+    """A JobSet or conversion Job deleted while the operator was down is created again when it
+    resumes the resource, with the same event as a deletion it watched (it came back silently)."""
+    async with Harness() as h:
+        await h.start_operator()
+        await h.create(lft("run-r"))
+        await h.jobset_running("run-r")
+        await h.wait_for_status("LoraFinetune", "run-r", _phase("Running"))
+        await h.create(adc("conv-r"))
+        await h.patch_status("Job", "conv-r-convert", {"active": 1, "startTime": "2026-12-04T08:00:00Z"})
+        await h.wait_for_status("AdapterConversion", "conv-r", _phase("Running"))
+        await h.stop_operator()
+        for kind, name in (("JobSet", "run-r"), ("Job", "conv-r-convert")):
+            await h.delete(kind, name)
+            await h.gone(kind, name)
+        await h.start_operator()
+        await h.wait_for(lambda: h.get("JobSet", "run-r"), what="the JobSet again")
+        await h.wait_for(lambda: h.get("Job", "conv-r-convert"), what="the conversion Job again")
+        await h.wait_for(lambda: _has_event(h, "run-r", "JobSetRecreated"), what="JobSetRecreated event")
+        await h.wait_for(lambda: _has_event(h, "conv-r", "ConversionRecreated"), what="ConversionRecreated event")
+        # Resuming children that are still there is silent, and "Created" is posted once per resource.
+        await h.stop_operator()
+        await h.start_operator()
+        await h.jobset_running("run-r")
+        await h.wait_for_status("LoraFinetune", "run-r", _phase("Running"))
+        for name, reasons in (("run-r", ["Created", "JobSetRecreated"]), ("conv-r", ["Created", "ConversionRecreated"])):
+            posted = sorted(e["reason"] for e in await h.events_for(name) if e["reason"] in reasons)
+            assert posted == sorted(reasons), (name, posted)
+
+
 async def test_suspend_after_training_is_ignored():
     """Exporting: the JobSet has finished, so suspending it means nothing; it was patched anyway
     with a Suspended event, or, with the JobSet gone by its TTL, retried every 5 s."""
