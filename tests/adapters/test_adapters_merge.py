@@ -40,3 +40,20 @@ def test_adapter_for_another_base_is_refused(tiny_base, tmp_path):
     out.mkdir()
     with pytest.raises(UserError, match=r"q_proj\.weight.*different base model"):
         merge_adapter_into_checkpoint(base, type(adapter)(adapter.hyper, bigger), out)
+
+
+def test_a_relative_base_is_recorded_absolute(tiny_base, tmp_path, monkeypatch):
+    """`convert --base models/x` recorded the path as typed: `export --merged` from another directory
+    then failed ("models/x is not a directory"), and adapter_config.json named a relative base."""
+    from lora_trainer import cli
+
+    base = tiny_base("llama3")
+    adapter_dir = make_peft_adapter(base, tmp_path / "adapter", targets=["q_proj"])
+    monkeypatch.chdir(base.parent)
+    assert cli.main(["convert", "--from", "hf-peft", "--to", "orbax", "--source", str(adapter_dir),
+                     "--out", str(tmp_path / "orbax"), "--base", base.name]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["export", "--checkpoint", "orbax", "--out", "merged", "--merged"]) == 0
+    assert cli.main(["export", "--checkpoint", "orbax", "--out", "again"]) == 0
+    assert json.loads((tmp_path / "again" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    np.testing.assert_allclose(hf_logits(tmp_path / "merged"), hf_logits(base, adapter_dir=adapter_dir), atol=1e-4, rtol=0)

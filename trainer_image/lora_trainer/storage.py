@@ -132,6 +132,13 @@ def absolute_local_path(uri: str | os.PathLike[str]) -> Path:
     return Path(os.path.abspath(local_path(uri)))
 
 
+def absolute_uri(uri: str) -> str:
+    """`uri` as a reader elsewhere can use it: gs:// as is, a local path made absolute (see
+    `absolute_local_path`). For paths that are recorded (a checkpoint's base model, an adapter's
+    `base_model_name_or_path`): relative, they named another directory once read from another one."""
+    return uri if is_gcs(uri) else str(absolute_local_path(uri))
+
+
 def join(uri: str, *parts: str) -> str:
     """Join path parts onto a local path or a gs:// URI."""
     s = os.fspath(uri)
