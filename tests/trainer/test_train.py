@@ -19,7 +19,7 @@ from lora_trainer.errors import RetriableError, UserError
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
 from lora_trainer.models import load_model
 from lora_trainer.progress import IntervalTimer, format_eta, progress_record
-from lora_trainer.train import incompatibilities, lm_loss, make_trainer, model_inputs, run_training
+from lora_trainer.train import evals_due, incompatibilities, lm_loss, make_trainer, model_inputs, run_training
 
 PROGRESS_KEYS = {
     "step", "totalSteps", "loss", "learningRate", "tokensPerSecond", "stepTimeSeconds",
@@ -96,9 +96,9 @@ def test_gradient_accumulation_is_one_batch_of_the_same_examples(tmp_path):
     tok = data.load_tokenizer(tiny_llama())
     seqs = data.to_sequences(data.tokenize_file(spec.train, spec, tok), spec)
     assert len({s.loss_targets() for s in seqs}) >= 3
-    loaded = load_model(str(tiny_llama()), dtype="float32")
     first_moment = {}
     for accumulation in (1, 2, 4):
+        loaded = load_model(str(tiny_llama()), dtype="float32")  # its own: the trainer's steps take the model's arrays
         model = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0).model
         trainer = make_trainer(model, TrainingSpec(steps=1, global_batch_size=8, gradient_accumulation=accumulation,
                                                    learning_rate=0.01, schedule="constant"))
@@ -141,6 +141,16 @@ def test_progress_record_schema_and_eta():
     assert rec["time"].endswith("Z")
     assert [format_eta(s) for s in (0, 59, 61, 3600)] == ["0s", "59s", "1m01s", "1h00m"]
     assert progress_record(**{**_REC, "loss": float("nan")})["loss"] is None
+
+
+def test_the_eta_counts_the_eval_passes_still_due():
+    """The ETA said 9s with two 20 s eval passes to come (real-size audit): steps only."""
+    t = TrainingSpec(steps=10, learning_rate=1e-4, eval_every=4)
+    assert [evals_due(s, t) for s in (0, 3, 4, 7, 8, 9, 10)] == [3, 3, 2, 2, 1, 1, 0]  # at 4, 8 and the end
+    assert [evals_due(s, TrainingSpec(steps=8, learning_rate=1e-4, eval_every=4)) for s in (0, 4, 7, 8)] == [2, 1, 1, 0]
+    assert [evals_due(s, TrainingSpec(steps=5, learning_rate=1e-4)) for s in (0, 4, 5)] == [1, 1, 0]  # the end only
+    rec = progress_record(**{**_REC, "step": 2, "total_steps": 10, "step_time_seconds": 1.5, "pending_seconds": 3 * 20.0})
+    assert rec["etaSeconds"] == pytest.approx(8 * 1.5 + 60.0) and rec["eta"] == "1m12s"
 
 
 def test_interval_timer_leaves_eval_and_checkpoint_time_out():

@@ -1,4 +1,5 @@
-"""Compilation counts of the training step: one compile per run, on a mesh, fresh or resumed."""
+"""Compilation counts of the training step (one compile per run, on a mesh, fresh or resumed), and
+no copy of the frozen base weights per train or eval step."""
 
 from __future__ import annotations
 
@@ -64,6 +65,32 @@ def test_train_step_compiles_once_on_a_mesh():
     assert trainer._jitted_train_step_fn.func.jitted_fn._cache_size() == 1
     losses = [float(a["loss"]) for a in trainer.train_aux]
     assert len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_train_and_eval_steps_write_no_copy_of_the_base_weights():
+    """`nnx.jit` returns the whole model from each step; undonated, every train and eval step wrote
+    a fresh copy of the frozen weights (a Qwen2.5-0.5B-shaped model: 7.4 instead of 3.1 GB of host
+    memory, steps 2.3x slower). Donated, each returned weight is its own input buffer."""
+    from flax import nnx
+
+    mesh = distributed.make_mesh(MeshSpec())
+    loaded = load_model(str(tiny_llama()), dtype="float32", mesh=mesh)
+    model = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0).model
+
+    def buffers(kind: type) -> dict[str, int]:
+        return {str(p): v.get_value().unsafe_buffer_pointer() for p, v in nnx.to_flat_state(nnx.state(model, kind))}
+
+    with warnings.catch_warnings(), mesh:
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*mesh.*")
+        trainer = make_trainer(model, TrainingSpec(steps=10, learning_rate=0.01, schedule="constant"))
+        trainer.train([_batch()])  # the first step may place arrays on the mesh; from here on, nothing moves
+        base, lora = buffers(nnx.Param), buffers(nnx.LoRAParam)
+        trainer.train([_batch()], eval_ds=[_batch()])
+        trainer.train([_batch()])
+        jax.block_until_ready(trainer.train_aux)
+    assert len(trainer.eval_aux) == 1 and len(base) > 10
+    assert buffers(nnx.Param) == base
+    assert buffers(nnx.LoRAParam) == lora  # updated in place too (the optimizer's update, donated)
 
 
 @pytest.mark.slow

@@ -53,11 +53,13 @@ def progress_record(
     step_time_seconds: float | None,
     mfu: float | None,
     last_checkpoint: str | None,
+    pending_seconds: float = 0.0,
 ) -> dict[str, Any]:
     """The progress.json / stdout / callback record (contracts.md). Pure apart from the clock.
 
-    Throughput fields are None for an interval with no timed step (only the step that compiled)."""
-    eta = None if step_time_seconds is None else step_time_seconds * max(total_steps - step, 0)
+    Throughput fields are None for an interval with no timed step (only the step that compiled).
+    The ETA is the steps left at this step time plus `pending_seconds` (the eval passes still due)."""
+    eta = None if step_time_seconds is None else step_time_seconds * max(total_steps - step, 0) + pending_seconds
     return {
         "step": step,
         "totalSteps": total_steps,

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.interpreters import pxla
 from tunix.sft import peft_trainer
 
 from lora_trainer import checkpoint, data, distributed, host_memory, schedule, storage
@@ -155,6 +156,29 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
             for obj in (self.model, self.optimizer):
                 nnx.update(obj, jax.tree.map(functools.partial(_replicated_on, mesh), nnx.state(obj)))
 
+    def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False) -> tuple[Any, Any]:
+        """Tunix's jitted steps, with the model donated to both (Tunix donates only the optimizer).
+
+        Why: `nnx.jit` returns the state of every graph node it is given, frozen base weights
+        included, and XLA can alias an output to an input only if that input is donated; so every
+        train and eval step wrote a fresh copy of the whole base model. On a Qwen2.5-0.5B-shaped
+        model on CPU: 7.4 GB of host memory instead of 3.1 GB after a few steps and an eval pass,
+        and a 4.1 s train step instead of 1.8 s (docs/benchmarks.md). Donated, the unchanged
+        weights are their own inputs; `nnx.jit` puts the returned arrays back into the model.
+        """
+        if skip_jit or self._jitted_train_step_fn is not None:
+            return super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
+        self._shard_optimizer(pxla.thread_resources.env.physical_mesh)  # as Tunix does, before the first jit
+        train_step = nnx.jit(self.create_train_step_fn(), donate_argnames=("model", "optimizer"))
+        eval_step = nnx.jit(self.create_eval_step_fn(), donate_argnames=("model",))
+
+        def bind(f: Any, *args: Any) -> functools.partial:  # as Tunix binds them: its train() reads `.func.jitted_fn`
+            return functools.partial(nnx.cached_partial(f, *args)) if cache_nnx_graph else functools.partial(f, *args)
+
+        self._jitted_train_step_fn = bind(train_step, self.model, self.optimizer)
+        self._jitted_eval_step_fn = bind(eval_step, self.model)
+        return self._jitted_train_step_fn, self._jitted_eval_step_fn
+
     def _eval_step(self, model: nnx.Module, inputs: Any) -> Any:
         """Tunix's eval step, traced without LoRA dropout so eval loss is deterministic."""
         with no_lora_dropout():
@@ -182,6 +206,8 @@ def make_trainer(model: nnx.Module, t: TrainingSpec) -> LoraPeftTrainer:
     """Tunix's PeftTrainer for `model` (which must hold LoRAParams) with AdamW + schedule, our loss and inputs.
 
     Batches are sharded over the mesh's (data, fsdp) axes together; Tunix's own checkpointing is off.
+    The steps take the model's arrays (donated, see `LoraPeftTrainer.jit_train_and_eval_step`): once
+    it has trained, a model sharing them, such as the one `apply_lora` was given, cannot run again.
     """
     if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
         raise UserError("the model has no LoRA parameters; refusing to train (the trainer would update every base weight)")
@@ -274,6 +300,20 @@ def incompatibilities(saved: dict[str, Any], expected: dict[str, Any]) -> list[s
         for key, field in _COMPATIBILITY
         if _comparable(key, saved.get(key)) != _comparable(key, expected[key]) and not (key == "baseModel" and same_files)
     ]
+
+
+def evals_due(step: int, t: TrainingSpec) -> int:
+    """Eval passes still to run after `step`: every `evalEvery` steps, and at the end. Pure."""
+    if step >= t.steps:
+        return 0
+    every = t.eval_every or t.steps
+    return t.steps // every - step // every + (t.steps % every != 0)
+
+
+def _count(model: nnx.Module, kind: Any = nnx.Param) -> str:
+    """How many parameters of `kind` the model holds, for a log line: `494.0M`, `1.24B`."""
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, kind)))
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def base_fingerprint(model_dir: Path) -> str:
@@ -458,11 +498,14 @@ class _Run:
     def run(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.training
         storage.check_output_location(cfg.output.uri, "output.uri")  # before minutes of loading
+        start = time.perf_counter()
         loaded = load_model(cfg.model.source, family=cfg.model.family, dtype=cfg.model.dtype, mesh=self.mesh)
+        log.info("loaded the %s model %s (%s parameters, %s) in %.1fs", loaded.family.name, cfg.model.source,
+                 _count(loaded.model), cfg.model.dtype, time.perf_counter() - start)
         self.metadata = {
             "family": loaded.family.name,
             "multimodal": loaded.family.multimodal,
-            "baseModel": cfg.model.source,
+            "baseModel": storage.absolute_uri(cfg.model.source),  # export may run from another directory
             "rank": cfg.lora.rank,
             "alpha": cfg.lora.alpha,
             "dropout": cfg.lora.dropout,
@@ -524,7 +567,11 @@ class _Run:
         if resume_step is None and cfg.lora.restore_from:
             restored = _restore_adapter(cfg.lora.restore_from, cfg.model.source, loaded.family.name)
             _check_restored(cfg, restored[1])
+        start = time.perf_counter()
         applied = apply_lora(loaded.model, cfg.lora, loaded.family, seed=t.seed, batch_shape=(1, 8))
+        quant = cfg.lora.quantization
+        log.info("added LoRA (%s trainable parameters)%s in %.1fs", _count(applied.model, nnx.LoRAParam),
+                 f" and quantized the base weights to {quant.weight_qtype}" if quant else "", time.perf_counter() - start)
         self.metadata["modulePaths"] = applied.module_paths
         if restored is not None:
             set_lora_state(applied.model, restored[0])  # module or shape mismatches are a UserError listing them
@@ -588,6 +635,7 @@ class _Run:
         # The first step in a process compiles the train step (seconds to minutes): it stays out of
         # the timed interval, or the first line's tokens/s and ETA were off by that much.
         timer, timed_steps, untimed_tokens, compiled = IntervalTimer(time.perf_counter), 0, 0, False
+        eval_seconds, evaluated = 0.0, False  # the last eval pass's duration, for the ETA (unknown, 0, until one ran)
 
         def save(at: int) -> None:
             nonlocal saved_step, last_checkpoint
@@ -629,6 +677,7 @@ class _Run:
                     step_time_seconds=elapsed / timed_steps if timed_steps else None,
                     mfu=None if tps is None else mfu_metrics.mfu(tps, flops_per_token, kinds),
                     last_checkpoint=last_checkpoint,
+                    pending_seconds=eval_seconds * evals_due(step, t) if eval_ds else 0.0,
                 )
                 sink.emit(record)
                 timed_steps, untimed_tokens = 0, 0
@@ -636,9 +685,13 @@ class _Run:
                 # After a SIGTERM the checkpoint comes first: an eval pass could outlast the grace period.
                 due = step == t.steps or (t.eval_every is not None and step % t.eval_every == 0)
                 if eval_ds and due and not self.stop.requested():
+                    start = time.perf_counter()
                     eval_loss = self._evaluate(trainer, (on_mesh(b, self.mesh) for b in eval_ds))
+                    eval_seconds = time.perf_counter() - start
                     sink.scalar("eval/loss", eval_loss, step)
-                    log.info("step %d: eval loss %.4f", step, eval_loss)
+                    log.info("step %d: eval loss %.4f (%d batches in %.1fs%s)", step, eval_loss, len(eval_ds), eval_seconds,
+                             "" if evaluated else ", the first compiling the eval step")
+                    evaluated = True
                 if step % t.checkpoint_every == 0 or step == t.steps:
                     save(step)
         if saved_step != step:
