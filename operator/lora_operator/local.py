@@ -412,8 +412,10 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
     cfg = spec.train_config()
     created = datetime.now(UTC).replace(microsecond=0)
 
+    from lora_trainer import host_memory
     from lora_trainer.train import run_training
 
+    host_memory.retain_freed_memory()  # as run_training does, but before _device_summary starts JAX's threads
     tpu = _device_summary()
     _say(
         f"training {name} on {tpu.removeprefix('local ')}: {cfg.training.steps} steps of "
