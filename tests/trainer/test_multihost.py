@@ -162,3 +162,21 @@ def test_tp_that_does_not_divide_the_heads_replicates_that_axis(tmp_path):
     assert codes == {"tp": exit_codes.OK, "one": exit_codes.OK}, {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in procs}
     losses = {name: [r["loss"] for r in progress_lines(tmp_path / f"{name}.log")] for name in procs}
     assert losses["tp"] == pytest.approx(losses["one"], rel=1e-4), losses
+
+
+@pytest.mark.slow
+def test_qlora_trains_sharded_by_fsdp_and_by_tp(tmp_path):
+    """QLoRA (nf4) on a two-device mesh: the base weights are quantized where they lie (compiled,
+    see lora_provider._CompiledQuantize) and train to one device's losses, split by fsdp or by tp."""
+    procs = {}
+    for name, mesh, devices in (("fsdp", {"fsdp": 2}, "2"), ("tp", {"tp": 2}, "2"), ("one", {}, "1")):
+        cfg = train_config(tmp_path / name, str(tmp_path / name / "out"), steps=3, checkpointEvery=3, mesh=mesh)
+        cfg["lora"]["quantization"] = {"weightQtype": "nf4", "tileSize": 16}
+        procs[name] = start_trainer(write_config(tmp_path / f"{name}.json", cfg), tmp_path / f"{name}.log",
+                                    JAX_NUM_CPU_DEVICES=devices, JAX_PLATFORMS="cpu")
+    codes = {name: p.wait(timeout=400) for name, p in procs.items()}
+    assert set(codes.values()) == {exit_codes.OK}, {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in procs}
+    losses = {name: [r["loss"] for r in progress_lines(tmp_path / f"{name}.log")] for name in procs}
+    assert len(losses["one"]) == 3 and all(np.isfinite(losses["one"]))
+    for name in ("fsdp", "tp"):
+        assert losses[name] == pytest.approx(losses["one"], rel=1e-4), losses
