@@ -64,6 +64,15 @@ def _event(type: str, body: dict[str, Any], *, reason: str, message: str) -> Non
     kopf.event(body, type=type, reason=reason, message=message)
 
 
+def _creation_event(body: dict[str, Any], status: dict[str, Any], created: str, recreated_reason: str, recreated: str) -> None:
+    """After a reconcile created a resource's child: `Created`, or, if the resource had already
+    started (the child went missing while the operator was away), the Warning `recreated_reason`."""
+    if status.get("startTime"):
+        _event("Warning", body, reason=recreated_reason, message=recreated)
+    else:
+        _event("Normal", body, reason="Created", message=created)
+
+
 # --- LoraFinetune ------------------------------------------------------------------------------
 
 
@@ -146,14 +155,10 @@ def lft_reconcile(
     except CannotCreate as e:
         _fail(dict(body), patch, dict(status), e.reason, str(e), generation)
         return
-    if "JobSet" not in created:
-        return
-    if status.get("startTime"):  # it had run: deleted while the operator was away (a restart resumes here)
-        _event("Warning", dict(body), reason="JobSetRecreated",
-               message=f"JobSet {names.jobset} was missing when the operator resumed this run; created it again, training "
-                       "resumes from the last checkpoint (to stop a run, delete or suspend the LoraFinetune)")
-    else:
-        _event("Normal", dict(body), reason="Created", message=f"created ConfigMap {names.config_map} and JobSet {names.jobset}")
+    if "JobSet" in created:
+        _creation_event(dict(body), dict(status), f"created ConfigMap {names.config_map} and JobSet {names.jobset}",
+                        "JobSetRecreated", f"JobSet {names.jobset} was missing when the operator resumed this run; created "
+                        "it again, training resumes from the last checkpoint (to stop a run, delete or suspend the LoraFinetune)")
 
 
 def lft_suspend(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, new: Any, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
@@ -368,13 +373,9 @@ def adc_reconcile(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: 
     except CannotCreate as e:
         _fail(dict(body), patch, dict(status), e.reason, str(e), generation)
         return
-    if not created:
-        return
-    if status.get("startTime"):  # it had run: deleted while the operator was away (a restart resumes here)
-        _event("Warning", dict(body), reason="ConversionRecreated",
-               message=f"conversion Job {name} was missing when the operator resumed this conversion; created it again")
-    else:
-        _event("Normal", dict(body), reason="Created", message=f"created conversion Job {name}")
+    if created:
+        _creation_event(dict(body), dict(status), f"created conversion Job {name}", "ConversionRecreated",
+                        f"conversion Job {name} was missing when the operator resumed this conversion; created it again")
 
 
 def conversion_job_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:

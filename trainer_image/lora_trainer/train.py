@@ -303,7 +303,8 @@ def incompatibilities(saved: dict[str, Any], expected: dict[str, Any]) -> list[s
 
 
 def evals_due(step: int, t: TrainingSpec) -> int:
-    """Eval passes still to run after `step`: every `evalEvery` steps, and at the end. Pure."""
+    """Eval passes still to run after `step`: every `evalEvery` steps, and at the end. Pure; the
+    one statement of the eval schedule (a pass runs at `step` when this drops from `step - 1`)."""
     if step >= t.steps:
         return 0
     every = t.eval_every or t.steps
@@ -635,7 +636,7 @@ class _Run:
         # The first step in a process compiles the train step (seconds to minutes): it stays out of
         # the timed interval, or the first line's tokens/s and ETA were off by that much.
         timer, timed_steps, untimed_tokens, compiled = IntervalTimer(time.perf_counter), 0, 0, False
-        eval_seconds, evaluated = 0.0, False  # the last eval pass's duration, for the ETA (unknown, 0, until one ran)
+        eval_seconds = 0.0  # the last eval pass's duration, for the ETA (unknown, 0, until one ran)
 
         def save(at: int) -> None:
             nonlocal saved_step, last_checkpoint
@@ -677,21 +678,20 @@ class _Run:
                     step_time_seconds=elapsed / timed_steps if timed_steps else None,
                     mfu=None if tps is None else mfu_metrics.mfu(tps, flops_per_token, kinds),
                     last_checkpoint=last_checkpoint,
-                    pending_seconds=eval_seconds * evals_due(step, t) if eval_ds else 0.0,
+                    pending_seconds=eval_seconds * evals_due(step, t),
                 )
                 sink.emit(record)
                 timed_steps, untimed_tokens = 0, 0
             with timer.paused():
                 # After a SIGTERM the checkpoint comes first: an eval pass could outlast the grace period.
-                due = step == t.steps or (t.eval_every is not None and step % t.eval_every == 0)
+                due = evals_due(step - 1, t) > evals_due(step, t)  # a pass runs at this step
                 if eval_ds and due and not self.stop.requested():
-                    start = time.perf_counter()
+                    first, start = not eval_seconds, time.perf_counter()
                     eval_loss = self._evaluate(trainer, (on_mesh(b, self.mesh) for b in eval_ds))
                     eval_seconds = time.perf_counter() - start
                     sink.scalar("eval/loss", eval_loss, step)
                     log.info("step %d: eval loss %.4f (%d batches in %.1fs%s)", step, eval_loss, len(eval_ds), eval_seconds,
-                             "" if evaluated else ", the first compiling the eval step")
-                    evaluated = True
+                             ", the first compiling the eval step" if first else "")
                 if step % t.checkpoint_every == 0 or step == t.steps:
                     save(step)
         if saved_step != step:
