@@ -7,7 +7,7 @@ params either way). Batch 8 x 256 tokens, LoRA rank 16 (alpha 32) on all seven p
 AdamW. Per dtype, measured round-robin (one step of each per round, `--steps` rounds after warm-up), median;
 the trainer-vs-torch ratio is the median of the per-round ratios (each pair ran back to back),
 with the ratio of medians and that of each side's fastest round beside it:
-  - trainer:  the production step, `train.make_trainer(...).train([batch])` (Tunix PeftTrainer);
+  - trainer:  the production step, `tunix_trainer.make_trainer(...).train([batch])` (Tunix PeftTrainer);
   - raw lora: the same loss and LoRA-only gradient in a bare `nnx.jit` step (Tunix's overhead);
   - full ft:  every parameter trained, bare `nnx.jit` step (the fraction's denominator), its matmuls
               routed through the trainer's LoRA provider with no rule, so that they take the same
@@ -112,8 +112,9 @@ def jax_steps(model_dir: Path, dtype: str, *, full: bool) -> dict[str, Callable[
 
     from lora_trainer.config import LoraSpec, TrainingSpec
     from lora_trainer.lora import apply_lora
+    from lora_trainer.loss import lm_loss, model_inputs
     from lora_trainer.models import load_model
-    from lora_trainer.train import lm_loss, make_trainer, model_inputs
+    from lora_trainer.tunix_trainer import make_trainer
 
     spec = TrainingSpec(steps=1000, learning_rate=1e-4, schedule="constant")
     batch = _batch()

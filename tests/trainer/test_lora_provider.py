@@ -21,9 +21,9 @@ from lora_trainer import lora as lora_mod
 from lora_trainer.config import LoraSpec, QuantizationSpec
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
 from lora_trainer.lora_provider import _subscripts, dot_general_spec, lora_delta
+from lora_trainer.loss import lm_loss, model_inputs
 from lora_trainer.models import FAMILIES, LoadedModel, load_model
 from lora_trainer.tiny_models import make_tiny_hf_model
-from lora_trainer.train import lm_loss, model_inputs
 
 
 @pytest.fixture(scope="module")

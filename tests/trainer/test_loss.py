@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lora_trainer.cross_entropy import token_nll
-from lora_trainer.train import lm_loss, model_inputs
+from lora_trainer.loss import lm_loss, model_inputs
 
 
 def test_lm_loss_matches_a_per_token_reference() -> None:

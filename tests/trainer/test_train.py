@@ -17,9 +17,11 @@ from lora_trainer import checkpoint, data, schedule
 from lora_trainer.config import DatasetSpec, LoraSpec, TrainingSpec
 from lora_trainer.errors import RetriableError, UserError
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
+from lora_trainer.loss import lm_loss, model_inputs
 from lora_trainer.models import load_model
 from lora_trainer.progress import IntervalTimer, format_eta, progress_record
-from lora_trainer.train import evals_due, incompatibilities, lm_loss, make_trainer, model_inputs, run_training
+from lora_trainer.train import evals_due, incompatibilities, run_training
+from lora_trainer.tunix_trainer import make_trainer
 
 PROGRESS_KEYS = {
     "step", "totalSteps", "loss", "learningRate", "tokensPerSecond", "stepTimeSeconds",

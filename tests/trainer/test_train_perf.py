@@ -17,7 +17,8 @@ from lora_trainer import checkpoint, distributed
 from lora_trainer.config import LoraSpec, MeshSpec, TrainingSpec
 from lora_trainer.lora import apply_lora
 from lora_trainer.models import load_model
-from lora_trainer.train import make_trainer, run_training
+from lora_trainer.train import run_training
+from lora_trainer.tunix_trainer import make_trainer
 
 
 class _Records(logging.Handler):

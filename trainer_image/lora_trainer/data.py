@@ -2,10 +2,11 @@
 
 Why the stream is defined globally: every process tokenizes the same file into the same
 list of sequences, orders them by a seeded permutation per epoch, and cuts the endless
-stream into global batches; process p then takes rows [p*B/P, (p+1)*B/P) of each batch.
-So the data a step sees does not depend on how many hosts run it (a two-process run and
-a one-process run train on identical batches), and the iterator's whole position is one
-integer, `batches`, that the checkpoint stores and a restarted run continues from.
+stream into global batches; each process then places on its devices the rows the mesh
+gives them (`tunix_trainer.on_mesh`). So the data a step sees does not depend on how many
+hosts run it or how the mesh is laid out (a two-process run and a one-process run train on
+identical batches), and the iterator's whole position is one integer, `batches`, that the
+checkpoint stores and a restarted run continues from.
 
 Formats follow TRL's field names (`text`; `prompt`/`completion`; `messages`), configurable
 in `DatasetSpec`. The loss mask is 1 only on tokens the model should learn to produce:
@@ -52,7 +53,7 @@ class Sequence:
     positions: np.ndarray
 
     def loss_targets(self) -> int:
-        """Tokens the loss predicts, as `train.lm_loss` weights them: in the loss mask, and predicted
+        """Tokens the loss predicts, as `loss.lm_loss` weights them: in the loss mask, and predicted
         by a token of the same packed example."""
         return int(((self.loss_mask[1:] > 0) & (self.segment_ids[1:] == self.segment_ids[:-1])).sum())
 
@@ -343,7 +344,7 @@ class BatchStream:
     """Endless, seeded, resumable stream of global (micro-)batches.
 
     Every host makes the whole global batch (every host holds every sequence), and
-    `train.on_mesh` puts on each host's devices the rows they hold, however the mesh lays them
+    `tunix_trainer.on_mesh` puts on each host's devices the rows they hold, however the mesh lays them
     out: a fixed share per host went wrong wherever the mesh did not split rows across hosts
     (tensor parallelism spanning hosts), each host then feeding its share as the whole batch.
 

@@ -1,0 +1,188 @@
+"""Tunix's PeftTrainer as this trainer runs it: the loss and inputs, AdamW with the schedule, the
+model donated to its jitted steps, batches placed on the mesh, and its state as checkpoint items.
+
+`train._Run` drives it one optimizer step at a time (`trainer.train([micro-batches])`) and owns
+checkpoints, logging and stopping; this module owns what happens inside a step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.interpreters import pxla
+from tunix.sft import peft_trainer
+
+from lora_trainer import schedule
+from lora_trainer.config import TrainingSpec
+from lora_trainer.errors import UserError
+from lora_trainer.loss import lm_loss, model_inputs
+from lora_trainer.lora_provider import no_lora_dropout
+
+_REPLICATED = jax.sharding.PartitionSpec()
+#: How every batch array is split: its rows over the mesh's data and fsdp axes together.
+_BATCH = jax.sharding.PartitionSpec(("data", "fsdp"))
+
+
+class LoraPeftTrainer(peft_trainer.PeftTrainer):
+    """Tunix's PeftTrainer, keeping each micro-step's loss and token counts (the loss fn's aux)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.train_aux: list[dict[str, jax.Array]] = []
+        self.eval_aux: list[dict[str, jax.Array]] = []
+        self.is_managed_externally = True  # the run (`train._Run`) owns the step count, checkpoints and stopping
+
+    def _post_process_train_step(self, aux: Any) -> None:
+        self.train_aux.append(aux)
+
+    def _shard_optimizer(self, mesh: jax.sharding.Mesh) -> None:
+        """Tunix's optimizer placement, then every replicated model/optimizer array on the mesh's `P()`.
+
+        Called once, just before the train step is first jitted (after any resume/restore). The
+        jitted step returns replicated arrays as `NamedSharding(mesh, P())`, while loading, Qwix
+        and the optimizer's init leave some as `P(None, None, None)` or on a `SingleDeviceSharding`
+        (e.g. the step counts): without this the step compiles a second time on its second call.
+        Values are not touched (a placement only), so resumed runs stay bitwise identical.
+        """
+        super()._shard_optimizer(mesh)
+        if not mesh.empty:
+            for obj in (self.model, self.optimizer):
+                nnx.update(obj, jax.tree.map(functools.partial(_replicated_on, mesh), nnx.state(obj)))
+
+    def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False) -> tuple[Any, Any]:
+        """Tunix's jitted steps, with the model donated to both (Tunix donates only the optimizer).
+
+        Why: `nnx.jit` returns the state of every graph node it is given, frozen base weights
+        included, and XLA can alias an output to an input only if that input is donated; so every
+        train and eval step wrote a fresh copy of the whole base model. On a Qwen2.5-0.5B-shaped
+        model on CPU: 7.4 GB of host memory instead of 3.1 GB after a few steps and an eval pass,
+        and a 4.1 s train step instead of 1.8 s (docs/benchmarks.md). Donated, the unchanged
+        weights are their own inputs; `nnx.jit` puts the returned arrays back into the model.
+        """
+        if skip_jit or self._jitted_train_step_fn is not None:
+            return super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
+        self._shard_optimizer(pxla.thread_resources.env.physical_mesh)  # as Tunix does, before the first jit
+        train_step = nnx.jit(self.create_train_step_fn(), donate_argnames=("model", "optimizer"))
+        eval_step = nnx.jit(self.create_eval_step_fn(), donate_argnames=("model",))
+
+        def bind(f: Any, *args: Any) -> functools.partial:  # as Tunix binds them: its train() reads `.func.jitted_fn`
+            return functools.partial(nnx.cached_partial(f, *args)) if cache_nnx_graph else functools.partial(f, *args)
+
+        self._jitted_train_step_fn = bind(train_step, self.model, self.optimizer)
+        self._jitted_eval_step_fn = bind(eval_step, self.model)
+        return self._jitted_train_step_fn, self._jitted_eval_step_fn
+
+    def _eval_step(self, model: nnx.Module, inputs: Any) -> Any:
+        """Tunix's eval step, traced without LoRA dropout so eval loss is deterministic."""
+        with no_lora_dropout():
+            return super()._eval_step(model, inputs)
+
+    def _post_process_eval_step(self, aux: Any) -> None:
+        self.eval_aux.append(aux)
+
+
+def _replicated_on(mesh: jax.sharding.Mesh, x: Any) -> Any:
+    """`x` placed as `NamedSharding(mesh, P())` if it is a fully replicated array not already so placed."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(x, jax.Array) or sharding is None or not sharding.is_fully_replicated:
+        return x
+    named = isinstance(sharding, jax.sharding.NamedSharding)
+    if named and sharding.mesh == mesh and sharding.spec == _REPLICATED:
+        return x
+    target = jax.sharding.NamedSharding(mesh, _REPLICATED)
+    if not named and not target.is_fully_addressable:
+        return x  # a one-device array onto a multi-process mesh: leave it to jit (a second compile, not an error)
+    return jax.device_put(x, target)
+
+
+def make_trainer(model: nnx.Module, t: TrainingSpec) -> LoraPeftTrainer:
+    """Tunix's PeftTrainer for `model` (which must hold LoRAParams) with AdamW + schedule, our loss and inputs.
+
+    Batches are sharded over the mesh's (data, fsdp) axes together; Tunix's own checkpointing is off.
+    The steps take the model's arrays (donated, see `LoraPeftTrainer.jit_train_and_eval_step`): once
+    it has trained, a model sharing them, such as the one `apply_lora` was given, cannot run again.
+    """
+    if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
+        raise UserError("the model has no LoRA parameters; refusing to train (the trainer would update every base weight)")
+    trainer = LoraPeftTrainer(
+        model,
+        schedule.optimizer(t),
+        peft_trainer.TrainingConfig(
+            eval_every_n_steps=t.eval_every or t.steps,
+            max_steps=None,
+            gradient_accumulation_steps=t.gradient_accumulation if t.gradient_accumulation > 1 else None,
+            checkpoint_root_directory=None,
+            data_sharding_axis=tuple(_BATCH),
+            pbar_description=None,
+        ),
+    )
+    trainer.with_loss_fn(lm_loss, has_aux=True).with_gen_model_input_fn(model_inputs)
+    return trainer
+
+
+def on_mesh(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """A global batch (every host holds all of it) as global arrays, rows split over the mesh's
+    (data, fsdp) axes: each host places only the rows its own devices hold.
+
+    Tunix shards a per-host batch itself, deciding by the host's *local* shape: with several
+    hosts, a micro-batch whose rows per host did not divide data x fsdp (2 hosts x 4 chips, 8
+    rows) was declared replicated, and where the mesh did not split rows across hosts (tensor
+    parallelism spanning them) each host's share was taken for the whole batch: every host trained
+    on other rows, silently. Arrays already on the mesh with this sharding pass Tunix untouched.
+    """
+    sharding = jax.sharding.NamedSharding(mesh, _BATCH)
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index]) for k, v in batch.items()}
+
+
+def weighted_loss(aux: list[dict[str, jax.Array]]) -> tuple[float, int, int]:
+    """(token-weighted mean loss, loss tokens, tokens) over micro-steps; blocks on the device."""
+    host = jax.device_get(aux)
+    n = sum(float(a["target_tokens"]) for a in host)
+    loss = sum(float(a["loss"]) * float(a["target_tokens"]) for a in host) / max(n, 1.0)
+    return loss, int(n), sum(int(a["tokens"]) for a in host)
+
+
+# --------------------------------------------------------------------------- state <-> checkpoint
+
+
+def _flat(state: nnx.State) -> dict[str, jax.Array]:
+    """A flat `{"a/b/0/c": array}` view of an NNX state: string keys only, so Orbax stores any optimizer."""
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+            value = jax.random.key_data(value)
+        out["/".join(map(str, path))] = value
+    return out
+
+
+def _load_flat(module: nnx.Module, which: Any, flat: dict[str, Any]) -> None:
+    """Write a `_flat` dict back into `module`'s variables selected by `which` (same paths required)."""
+    state = nnx.state(module, which)
+    for path, var in nnx.to_flat_state(state):
+        key = "/".join(map(str, path))
+        old = var.get_value()
+        new = flat[key]
+        if jnp.issubdtype(old.dtype, jax.dtypes.prng_key):
+            new = jax.random.wrap_key_data(new, impl=jax.random.key_impl(old))
+        var.set_value(new)
+    nnx.update(module, state)
+
+
+def optimizer_state(trainer: LoraPeftTrainer) -> dict[str, Any]:
+    """The `optimizer` item: optax state (with its step count) and the model's RNG state (dropout)."""
+    return {
+        "opt": _flat(nnx.state(trainer.optimizer)),
+        "rng": _flat(nnx.state(trainer.model, nnx.RngState)),
+    }
+
+
+def restore_optimizer_state(trainer: LoraPeftTrainer, saved: dict[str, Any]) -> None:
+    """Put an `optimizer_state` item back (on resume): the schedule and dropout continue where they stopped."""
+    _load_flat(trainer.optimizer, ..., saved["opt"])
+    _load_flat(trainer.model, nnx.RngState, saved["rng"])
