@@ -105,41 +105,51 @@ def _batch() -> dict[str, np.ndarray]:
     return {"input_tokens": tokens, "input_mask": ones, "segment_ids": ones, "positions": np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1))}
 
 
-def jax_steps(model_dir: Path, dtype: str, *, full: bool) -> dict[str, Callable[[], Any]]:
-    import jax
-    import optax
-    from flax import nnx
-
-    from lora_trainer.config import LoraSpec, TrainingSpec
+def _lora_model(model_dir: Path, dtype: str) -> Any:
+    from lora_trainer.config import LoraSpec
     from lora_trainer.lora import apply_lora
-    from lora_trainer.loss import lm_loss, model_inputs
     from lora_trainer.models import load_model
+
+    loaded = load_model(str(model_dir), dtype=dtype)
+    return apply_lora(loaded.model, LoraSpec(rank=RANK, alpha=ALPHA), loaded.family, seed=0).model
+
+
+def production_step(model_dir: Path, dtype: str) -> Callable[[], None]:
+    """One optimizer step of the trainer as `run_training` takes it (Tunix PeftTrainer, model
+    donated), on the benchmark's batch; blocks until done. Also `step_profile.py`'s subject."""
+    import jax
+
+    from lora_trainer.config import TrainingSpec
     from lora_trainer.tunix_trainer import make_trainer
 
-    spec = TrainingSpec(steps=1000, learning_rate=1e-4, schedule="constant")
     batch = _batch()
-
-    def lora_model() -> nnx.Module:
-        loaded = load_model(str(model_dir), dtype=dtype)
-        return apply_lora(loaded.model, LoraSpec(rank=RANK, alpha=ALPHA), loaded.family, seed=0).model
-
-    out: dict[str, Callable[[], Any]] = {}
-    TRAINER.clear()
-    FLOPS.clear()
-
     mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
     # The trainer owns its model (as in production): rows sharing one model would hand each other
     # arrays placed differently, and a jitted step recompiles or re-places on such inputs.
-    trainer = make_trainer(lora_model(), spec)
+    trainer = make_trainer(_lora_model(model_dir, dtype), TrainingSpec(steps=1000, learning_rate=1e-4, schedule="constant"))
+    TRAINER.clear()
     TRAINER.append(trainer)
 
-    def trainer_step() -> None:
+    def step() -> None:
         with mesh:  # Tunix reads the legacy mesh context
             trainer.train([batch])
         jax.block_until_ready(trainer.train_aux[-1]["loss"])
         trainer.train_aux.clear()
 
-    out["trainer"] = trainer_step
+    return step
+
+
+def jax_steps(model_dir: Path, dtype: str, *, full: bool) -> dict[str, Callable[[], Any]]:
+    import jax
+    import optax
+    from flax import nnx
+
+    from lora_trainer.loss import lm_loss, model_inputs
+    from lora_trainer.models import load_model
+
+    batch = _batch()
+    FLOPS.clear()
+    out: dict[str, Callable[[], Any]] = {"trainer": production_step(model_dir, dtype)}
 
     inputs = model_inputs({k: jax.numpy.asarray(v) for k, v in batch.items()})
 
@@ -157,7 +167,7 @@ def jax_steps(model_dir: Path, dtype: str, *, full: bool) -> dict[str, Callable[
     def grads(wrt: Any) -> Callable[..., Any]:
         return nnx.jit(lambda m, i: nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, wrt), has_aux=True)(m, **i))
 
-    bare_model = lora_model()
+    bare_model = _lora_model(model_dir, dtype)
     out["raw lora"] = bare_step(bare_model, nnx.LoRAParam)
     FLOPS["raw lora"] = _xla_flops(grads(nnx.LoRAParam), bare_model, inputs)
     forward = nnx.jit(lambda m, i: lm_loss(m, **i)[0])
@@ -330,7 +340,7 @@ def _accelerator(model_dir: Path, dtype: str, steps: int) -> None:
 
     from lora_trainer import metrics
 
-    r = _medians(_interleaved({"trainer": jax_steps(model_dir, dtype, full=False)["trainer"]}, 2, steps))
+    r = _medians(_interleaved({"trainer": production_step(model_dir, dtype)}, 2, steps))
     tps = BATCH * SEQ / r["trainer"]
     # matmul params: 4 layers of attention+MLP projections plus the untied LM head.
     h, m, v, kv = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"], 2 * 64
