@@ -1,7 +1,8 @@
 """Stopping at a step boundary: SIGTERM (preemption, pod deletion) and, in the local mode, Ctrl-C.
 
-A signal only sets a flag; the training loop checks it between steps, saves a checkpoint and
-exits with the retriable code, so the JobSet restarts the run and it resumes from that step.
+A signal only sets a flag; the training loop checks it between steps and saves a checkpoint.
+After SIGTERM it exits with the retriable code, so the JobSet restarts the run and it resumes
+from that step; after Ctrl-C with 130, and the same command resumes it.
 """
 
 from __future__ import annotations
