@@ -56,13 +56,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _recorded(base: str | None) -> str | None:
-    """`--base` as the output records it: absolute if local (see storage.absolute_uri)."""
-    from lora_trainer import storage
-
-    return None if base is None else storage.absolute_uri(base)
-
-
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train":
         from lora_trainer.config import load_train_config
@@ -73,12 +66,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         from lora_trainer.adapters.export import export_checkpoint
 
-        export_checkpoint(args.checkpoint, args.out, step=args.step, merged=args.merged, base=_recorded(args.base))
+        export_checkpoint(args.checkpoint, args.out, step=args.step, merged=args.merged, base=args.base)
         return exit_codes.OK
     if args.command == "convert":
         from lora_trainer.adapters.convert import convert
 
-        convert(args.src_format, args.dst_format, args.source, args.out, base=_recorded(args.base), family=args.family, merged=args.merged)
+        convert(args.src_format, args.dst_format, args.source, args.out, base=args.base, family=args.family, merged=args.merged)
         return exit_codes.OK
     if args.command == "logits":
         from lora_trainer.adapters.logits import write_logits

@@ -97,18 +97,19 @@ def convert(
     if merged and dst_format != "hf-peft":
         raise UserError("--merged writes an HF model, so it needs --to hf-peft")
     shapes = base_shapes(base, family)
+    recorded = storage.absolute_uri(base)  # outputs name the base so that a reader elsewhere finds it
     if src_format == "hf-peft":
         adapter = read_peft_uri(source)
         tree = peft_lora_tree(adapter, shapes)
-        _publish_orbax(out, tree, imported_metadata(adapter, tree, shapes, base))
+        _publish_orbax(out, tree, imported_metadata(adapter, tree, shapes, recorded))
         return
     tree, metadata = read_lora(source)
     if metadata["family"] != shapes.family.name:
         raise UserError(f"the checkpoint at {source} is a {metadata['family']} adapter but --base {base} is a {shapes.family.name} model")
-    adapter = adapter_from_checkpoint(tree, metadata, base=base, family=shapes.family, num_layers=shapes.family.num_layers(shapes.hf_config))
+    adapter = adapter_from_checkpoint(tree, metadata, base=recorded, family=shapes.family, num_layers=shapes.family.num_layers(shapes.hf_config))
     # The Orbax side may come from anywhere: check it fits --base before writing.
     peft_to_lora_tree(adapter.modules, shapes.family, shapes.weight_shapes, rank=adapter.hyper.rank)
-    write_adapter_output(adapter, out, merged=merged, base=base)
+    write_adapter_output(adapter, out, merged=merged, base=recorded)
 
 
 def load_peft_as_lora_tree(

@@ -75,5 +75,5 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, mer
     safetensors + index + config and tokenizer files.
     """
     tree, metadata = read_lora(checkpoint, step)
-    adapter = adapter_from_checkpoint(tree, metadata, base=base)
+    adapter = adapter_from_checkpoint(tree, metadata, base=None if base is None else storage.absolute_uri(base))
     write_adapter_output(adapter, out, merged=merged, base=adapter.hyper.base_model)
