@@ -89,9 +89,14 @@ def evals_due(step: int, t: TrainingSpec) -> int:
     return t.steps // every - step // every + (t.steps % every != 0)
 
 
+def _parameters(model: nnx.Module, kind: Any = nnx.Param) -> int:
+    """How many parameters of `kind` the model holds."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, kind)))
+
+
 def _count(model: nnx.Module, kind: Any = nnx.Param) -> str:
-    """How many parameters of `kind` the model holds, for a log line: `494.0M`, `1.24B`."""
-    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, kind)))
+    """`_parameters` for a log line: `494.0M`, `1.24B`."""
+    n = _parameters(model, kind)
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
@@ -172,8 +177,8 @@ def _seq_len(seqs: list[data.Sequence], max_seq_len: int) -> int:
 
 
 def _flops_per_token(model: nnx.Module, hf_config: dict[str, Any], seq_len: int) -> float:
-    base = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
-    lora = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    base = _parameters(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    lora = _parameters(model, nnx.LoRAParam)
     hidden, vocab = int(hf_config["hidden_size"]), int(hf_config["vocab_size"])
     embedding_lookup = 0 if hf_config.get("tie_word_embeddings") else hidden * vocab
     heads = int(hf_config["num_attention_heads"])
