@@ -62,19 +62,16 @@ def thunk_kinds(hlo: str, rank: int) -> dict[str, tuple[str, float]]:
         if not dots:
             kinds[name] = ("+".join(ops) or op, 0.0)
             continue
-        flops, shapes = 0.0, []
+        flops = 0.0
         for d in dots:
             dm = _INSTR.match(d)
             lhs = dm.group(4).split(",")[0].strip()
             lhs_shape = re.search(rf"{re.escape(lhs)} = (\S+) ", body)
             lhs_dims = _dims(lhs_shape.group(1)) if lhs_shape else []
             contracted = [int(i) for i in re.search(r"lhs_contracting_dims=\{([\d,]*)\}", d).group(1).split(",")]
-            out = _dims(dm.group(2))
-            k = 1
-            for i in contracted:
-                k *= lhs_dims[i] if i < len(lhs_dims) else 1
-            flops += 2.0 * k * math.prod(out)
-            shapes += [s for s in (_dims(x) for x in re.findall(r"\w+\[[\d,]*\]", body)) if s]
+            k = math.prod(lhs_dims[i] for i in contracted if i < len(lhs_dims))
+            flops += 2.0 * k * math.prod(_dims(dm.group(2)))
+        shapes = [s for s in (_dims(x) for x in re.findall(r"\w+\[[\d,]*\]", body)) if s]
         if any(max(s) > 4096 for s in shapes):
             kind = "lm head"
         elif "lhs_batch_dims" in body:
