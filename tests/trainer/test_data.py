@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -165,25 +167,90 @@ def test_unreadable_files_are_user_errors(tmp_path, tok):
     bad = tmp_path / "b.jsonl"
     bad.write_text('{"prompt": "a", "completion": "b"}\n{not json\n')
     with pytest.raises(UserError, match=r"b\.jsonl line 2: not valid JSON"):
-        data.read_rows(str(bad))
+        data.tokenize_file(str(bad), _spec(), tok)
+    bad.write_text('{"prompt": "a", "completion": "b"}\n["a list"]\n')
+    with pytest.raises(UserError, match=r"b\.jsonl line 2: expected a JSON object, got list"):
+        data.tokenize_file(str(bad), _spec(), tok)
     (tmp_path / "c.parquet").write_bytes(b"PAR1 garbage")
     with pytest.raises(UserError, match=r"c\.parquet is not a readable Parquet file"):
-        data.read_rows(str(tmp_path / "c.parquet"))
+        data.tokenize_file(str(tmp_path / "c.parquet"), _spec(), tok)
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(UserError, match=r"\.jsonl.*\.parquet"):
-        data.read_rows(str(tmp_path / "d.csv"))
+        data.tokenize_file(str(tmp_path / "d.csv"), _spec(), tok)
     with pytest.raises(UserError, match="missing.jsonl"):
-        data.read_rows(str(tmp_path / "missing.jsonl"))
+        data.tokenize_file(str(tmp_path / "missing.jsonl"), _spec(), tok)
+    (tmp_path / "e.jsonl").write_text("\n \n")
+    with pytest.raises(UserError, match=r"e\.jsonl holds no rows"):
+        data.tokenize_file(str(tmp_path / "e.jsonl"), _spec(), tok)
 
 
-def test_jsonl_lines_split_on_newlines_only(tmp_path):
+def test_jsonl_lines_split_on_newlines_only(tmp_path, tok):
     rows = [{"text": "one\u2028two\u2029three\x85four"}, {"text": "plain"}]
     f = tmp_path / "u.jsonl"
     f.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode())
-    assert [r for _, r in data.read_rows(str(f))] == rows
+    ds = data.tokenize_file(str(f), _spec(format="text"), tok)
+    assert [tok.decode(e.tokens[1:-1]) for e in ds.examples] == [r["text"] for r in rows]
     (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(UserError, match=r"latin1\.jsonl line 2: not valid UTF-8 \(byte 14 of the line\)"):
-        data.read_rows(str(tmp_path / "latin1.jsonl"))
+        data.tokenize_file(str(tmp_path / "latin1.jsonl"), _spec(format="text"), tok)
+
+
+def _tokenize_in_shares(uri: str, spec: DatasetSpec, count: int) -> list[data.TokenizedDataset | UserError]:
+    """`tokenize_file` run by `count` concurrent participants, each with its own tokenizer, pooling
+    their shares through a real exchange (threads meeting at a barrier, as processes meet in
+    `distributed.allgather_bytes`); each one's dataset, or the UserError it raised."""
+    inbox: list[bytes] = [b""] * count
+    barrier = threading.Barrier(count)
+
+    def run(k: int) -> data.TokenizedDataset | UserError:
+        def allgather(blob: bytes) -> list[bytes]:
+            inbox[k] = blob
+            barrier.wait()
+            return list(inbox)
+
+        try:
+            return data.tokenize_file(uri, spec, build_tokenizer(272), data.Share(k, count, allgather))
+        except UserError as e:
+            return e
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(run, range(count)))
+
+
+def _as_lists(ds: data.TokenizedDataset) -> tuple:
+    return [(e.tokens.tolist(), e.loss_mask.tolist(), e.tokens.dtype, e.loss_mask.dtype) for e in ds.examples], ds.truncated, ds.skipped
+
+
+def test_shares_tokenized_apart_pool_into_the_whole_file(tmp_path, tok, caplog):
+    long = "the quick brown fox jumps over the lazy dog " * 4
+    rows = [{"prompt": f"Q{i}:", "completion": long if i % 4 == 1 else f" answer {i}"} for i in range(10)]
+    rows[6] = {"prompt": "hello " * 20, "completion": " x"}  # nothing left to learn after truncation: skipped
+    f = _write_jsonl(tmp_path / "t.jsonl", rows)
+    whole = data.tokenize_file(f, _spec(max_seq_len=24), tok)
+    assert whole.truncated >= 2 and whole.skipped == 1
+    with caplog.at_level(logging.INFO, logger="lora_trainer.data"):
+        pooled = _tokenize_in_shares(f, _spec(max_seq_len=24), 3)
+    assert [_as_lists(ds) for ds in pooled] == [_as_lists(whole)] * 3
+    # Rows go round-robin: of 10 rows, process 0 tokenizes 4 (0, 3, 6, 9), processes 1 and 2 three each.
+    assert "(this process tokenized 4 of them, process 0 of 3)" in caplog.text
+    assert "(this process tokenized 3 of them, process 2 of 3)" in caplog.text
+
+
+def test_every_share_raises_the_earliest_bad_row_of_the_file(tmp_path, tok):
+    rows = [{"prompt": "a", "completion": "b"} for _ in range(9)]
+    rows[7] = {"prompt": "a"}  # process 1's share (row 7 of 3 processes), line 8
+    rows[5] = {"prompt": "a", "completion": 5}  # process 2's share, line 6: the earliest
+    lines = [json.dumps(r) for r in rows]
+    lines[6] = "{not json"  # process 0's share, line 7: each process parses only its own lines
+    f = tmp_path / "t.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError) as whole:
+        data.tokenize_file(str(f), _spec(), tok)
+    assert "line 6: field 'completion' must be a str" in str(whole.value)
+    assert [str(e) for e in _tokenize_in_shares(str(f), _spec(), 3)] == [str(whole.value)] * 3
+    lines[5] = json.dumps({"prompt": "a", "completion": "b"})
+    f.write_text("\n".join(lines) + "\n")
+    assert {str(e) for e in _tokenize_in_shares(str(f), _spec(), 3)} == {f"{f} line 7: not valid JSON (Expecting property name enclosed in double quotes); every line must be one JSON object"}
 
 
 def test_parquet_reads_like_jsonl(tmp_path, tok):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from gcs_emulator import free_port
-from trainer_fixtures import progress_lines, start_trainer, train_config, write_config
+from trainer_fixtures import progress_lines, start_trainer, train_config, trainer_env, write_config
 
 from lora_trainer import checkpoint, exit_codes
 from lora_trainer.config import MeshSpec
@@ -54,6 +56,42 @@ def test_mesh_shape():
 
 
 
+_ALLGATHER = """
+import json, jax
+from lora_trainer import distributed
+distributed.initialize()
+me = jax.process_index()
+blobs = {
+    "uneven": bytes([65 + me]) * (3 + 5 * me),  # 3 and 8 bytes in rounds of 2 (4 bytes over 2 processes)
+    "one empty": b"" if me == 0 else b"xyz",
+    "all empty": b"",
+}
+print(json.dumps({k: [b.decode() for b in distributed.allgather_bytes(v, round_bytes=4)] for k, v in blobs.items()}))
+"""
+
+
+@pytest.mark.slow
+def test_allgather_bytes_pools_blobs_of_any_size_across_real_processes(tmp_path):
+    """The transport that pools the processes' tokenized shares (`data.Share`): JAX collectives
+    (gloo here), blobs of unequal sizes in several padded rounds, and empty ones."""
+    script = tmp_path / "allgather.py"
+    script.write_text(_ALLGATHER)
+    common = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_PROCESS_COUNT": "2", "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=trainer_env(**common, JAX_PROCESS_ID=str(k)))
+        for k in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [err.decode()[-2000:] for _, err in outs]
+    want = {"uneven": ["AAA", "BBBBBBBB"], "one empty": ["", "xyz"], "all empty": ["", ""]}
+    assert [json.loads(out.decode().splitlines()[-1]) for out, _ in outs] == [want, want]
+
+
 @pytest.mark.slow
 def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tmp_path):
     # Micro-batches of 2 rows, one per host: Tunix alone declared such a batch replicated (each host
@@ -82,6 +120,8 @@ def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tm
     logs = {name: (tmp_path / f"{name}.log").read_text()[-3000:] for name in ("one", "p0", "p1")}
     assert codes == [exit_codes.OK] * 3, logs
     assert "joining a 2-process run as process 1" in logs["p1"]
+    for k in (0, 1):  # each process tokenized every other row of the 32 (train and eval alike); they pooled them
+        assert (tmp_path / f"p{k}.log").read_text().count(f"(this process tokenized 16 of them, process {k} of 2)") == 2
     assert '"step": 5' in logs["p0"] and '"step"' not in logs["p1"]  # progress from process 0 only
 
     a, meta_a = checkpoint.read_lora(str(tmp_path / "one" / "checkpoints"))

@@ -1,12 +1,15 @@
 """Training data: JSONL/Parquet rows -> tokenized, loss-masked, (packed) batches with a resumable position.
 
-Why the stream is defined globally: every process tokenizes the same file into the same
-list of sequences, orders them by a seeded permutation per epoch, and cuts the endless
-stream into global batches; each process then places on its devices the rows the mesh
-gives them (`tunix_trainer.on_mesh`). So the data a step sees does not depend on how many
-hosts run it or how the mesh is laid out (a two-process run and a one-process run train on
-identical batches), and the iterator's whole position is one integer, `batches`, that the
-checkpoint stores and a restarted run continues from.
+Why the stream is defined globally: each process tokenizes its share of the rows (every
+process-count-th row, `Share`), the processes pool what they tokenized, and every process
+then holds the same list of sequences, orders them by a seeded permutation per epoch, and
+cuts the endless stream into global batches; each process places on its devices the rows
+the mesh gives them (`tunix_trainer.on_mesh`). So the data a step sees does not depend on
+how many hosts run it or how the mesh is laid out (a two-process run and a one-process run
+train on identical batches), the iterator's whole position is one integer, `batches`, that
+the checkpoint stores and a restarted run continues from, and tokenizing, the slow part of
+loading data (a millisecond a row, minutes for a large file at every start or restart), is
+split across the hosts instead of repeated on each.
 
 Formats follow TRL's field names (`text`; `prompt`/`completion`; `messages`), configurable
 in `DatasetSpec`. The loss mask is 1 only on tokens the model should learn to produce:
@@ -21,7 +24,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,12 +91,14 @@ def load_tokenizer(model_dir: Path) -> Any:
 # --------------------------------------------------------------------------- rows
 
 
-def read_rows(uri: str) -> list[tuple[int, dict[str, Any]]]:
-    """(line or row number, row) of a JSONL or Parquet file; the number is 1-based for messages."""
+def _raw_rows(uri: str) -> list[tuple[int, str | dict[str, Any]]]:
+    """(line or row number, row) of a JSONL or Parquet file, the number 1-based for messages: a
+    JSONL line still unparsed (each process parses only the lines of its share, `_parsed`), a
+    Parquet row as a dict."""
     name = uri.rstrip("/").rsplit("/", 1)[-1].lower()
     data = storage.read_bytes(uri)
     if name.endswith((".jsonl", ".json")):
-        rows = []
+        rows: list[tuple[int, str | dict[str, Any]]] = []
         # Split on newlines only: str.splitlines would also split inside strings at U+2028, U+0085, ...
         for n, raw in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), start=1):
             try:
@@ -102,15 +107,8 @@ def read_rows(uri: str) -> list[tuple[int, dict[str, Any]]]:
                 raise UserError(
                     f"{uri} line {n}: not valid UTF-8 (byte {e.start + 1} of the line); save the file as UTF-8"
                 ) from e
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{uri} line {n}: not valid JSON ({e.msg}); every line must be one JSON object") from e
-            if not isinstance(row, dict):
-                raise UserError(f"{uri} line {n}: expected a JSON object, got {type(row).__name__}")
-            rows.append((n, row))
+            if line.strip():
+                rows.append((n, line))
         return rows
     if name.endswith(".parquet"):
         import pyarrow.parquet as pq
@@ -121,6 +119,19 @@ def read_rows(uri: str) -> list[tuple[int, dict[str, Any]]]:
             raise UserError(f"{uri} is not a readable Parquet file ({e})") from e
         return list(enumerate(table.to_pylist(), start=1))
     raise UserError(f"{uri}: unknown dataset file type; use a .jsonl (one JSON object per line) or a .parquet file")
+
+
+def _parsed(uri: str, n: int, row: str | dict[str, Any]) -> dict[str, Any]:
+    """A row from `_raw_rows` as a dict: a JSONL line parsed, a Parquet row as it is."""
+    if isinstance(row, dict):
+        return row
+    try:
+        value = json.loads(row)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{uri} line {n}: not valid JSON ({e.msg}); every line must be one JSON object") from e
+    if not isinstance(value, dict):
+        raise UserError(f"{uri} line {n}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _field(row: dict[str, Any], field: str, setting: str, where: str, kind: type) -> Any:
@@ -243,22 +254,105 @@ class TokenizedDataset:
     skipped: int
 
 
-def tokenize_file(uri: str, spec: DatasetSpec, tokenizer: Any) -> TokenizedDataset:
-    """Read and tokenize a whole file; truncate to maxSeqLen; drop examples left with no loss tokens."""
-    rows = read_rows(uri)
-    if not rows:
-        raise UserError(f"{uri} holds no rows: add training examples")
-    examples, truncated, skipped = [], 0, 0
-    for n, row in rows:
-        ex = tokenize_row(row, spec, tokenizer, f"{uri} line {n}")
+def _alone(blob: bytes) -> list[bytes]:
+    return [blob]
+
+
+@dataclass(frozen=True)
+class Share:
+    """Which rows this process tokenizes, and how the processes pool what they tokenized.
+
+    Rows go round-robin, row i to process i mod `count`, so long and short rows spread
+    evenly however the file is sorted. `allgather` returns every process's bytes in process
+    order (`distributed.allgather_bytes` in a multi-host run); the default is one process.
+    """
+
+    index: int = 0
+    count: int = 1
+    allgather: Callable[[bytes], list[bytes]] = _alone
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What one process made of its share: kept examples with their row ordinals, the counts,
+    and the first bad row's (ordinal, message) if one stopped it."""
+
+    rows: list[int]
+    examples: list[Example]
+    truncated: int
+    skipped: int
+    error: tuple[int, str] | None
+
+
+def _tokenize_share(rows: list[tuple[int, str | dict[str, Any]]], uri: str, spec: DatasetSpec, tokenizer: Any, share: Share) -> _Part:
+    kept, examples, truncated, skipped = [], [], 0, 0
+    for i in range(share.index, len(rows), share.count):
+        n, row = rows[i]
+        try:
+            ex = tokenize_row(_parsed(uri, n, row), spec, tokenizer, f"{uri} line {n}")
+        except UserError as e:  # this share's first bad row; an earlier one may be in another share
+            return _Part(kept, examples, truncated, skipped, (i, str(e)))
         if len(ex.tokens) > spec.max_seq_len:
             truncated += 1
             ex = Example(ex.tokens[: spec.max_seq_len], ex.loss_mask[: spec.max_seq_len])
         if ex.loss_mask[1:].sum() == 0:  # the first token is never a target
             skipped += 1
             continue
+        kept.append(i)
         examples.append(ex)
-    log.info("%s: %d examples, %d truncated to maxSeqLen=%d", uri, len(rows), truncated, spec.max_seq_len)
+    return _Part(kept, examples, truncated, skipped, None)
+
+
+def _encode(part: _Part) -> bytes:
+    """A part as an .npz (arrays only, nothing pickled), to send to the other processes."""
+    buf = io.BytesIO()
+    row, message = part.error or (-1, "")
+    np.savez(
+        buf,
+        rows=np.asarray(part.rows, np.int64),
+        lengths=np.asarray([len(e.tokens) for e in part.examples], np.int64),
+        tokens=np.concatenate([e.tokens for e in part.examples]) if part.examples else np.empty(0, np.int32),
+        loss_mask=np.concatenate([e.loss_mask for e in part.examples]).astype(np.uint8) if part.examples else np.empty(0, np.uint8),
+        counts=np.asarray([part.truncated, part.skipped, row], np.int64),
+        error=np.frombuffer(message.encode(), np.uint8),
+    )
+    return buf.getvalue()
+
+
+def _decode(blob: bytes) -> _Part:
+    z = np.load(io.BytesIO(blob), allow_pickle=False)
+    cuts = np.cumsum(z["lengths"])[:-1]
+    tokens, masks = np.split(z["tokens"], cuts), np.split(z["loss_mask"].astype(np.int32), cuts)
+    truncated, skipped, row = (int(x) for x in z["counts"])
+    error = (row, z["error"].tobytes().decode()) if row >= 0 else None
+    examples = [Example(t, m) for t, m in zip(tokens, masks, strict=True)] if len(z["rows"]) else []
+    return _Part(z["rows"].tolist(), examples, truncated, skipped, error)
+
+
+def tokenize_file(uri: str, spec: DatasetSpec, tokenizer: Any, share: Share = Share()) -> TokenizedDataset:
+    """Read a file, parse and tokenize this process's share of its rows and pool the shares;
+    truncate to maxSeqLen; drop examples left with no loss tokens.
+
+    Every process returns the same dataset, in file order, and raises the same error (the
+    earliest bad row in the file, as one process tokenizing everything would): the shares
+    are pooled before anything is raised, so no process waits for one that already gave up.
+    """
+    rows = _raw_rows(uri)
+    if not rows:
+        raise UserError(f"{uri} holds no rows: add training examples")
+    mine = _tokenize_share(rows, uri, spec, tokenizer, share)
+    parts = [_decode(blob) for blob in share.allgather(_encode(mine))]
+    errors = [p.error for p in parts if p.error is not None]
+    if errors:
+        raise UserError(min(errors)[1])
+    order = sorted((row, k, j) for k, p in enumerate(parts) for j, row in enumerate(p.rows))
+    examples = [parts[k].examples[j] for _, k, j in order]
+    truncated, skipped = sum(p.truncated for p in parts), sum(p.skipped for p in parts)
+    log.info(
+        "%s: %d examples, %d truncated to maxSeqLen=%d%s", uri, len(rows), truncated, spec.max_seq_len,
+        f" (this process tokenized {len(range(share.index, len(rows), share.count))} of them, process {share.index} of "
+        f"{share.count})" if share.count > 1 else "",
+    )  # fmt: skip
     if skipped:
         log.warning("%s: skipped %d examples with no loss tokens left after truncation", uri, skipped)
     if not examples:

@@ -1,4 +1,5 @@
-"""Multi-host start-up from the pod's environment, and the (data, fsdp, tp) device mesh.
+"""Multi-host start-up from the pod's environment, the (data, fsdp, tp) device mesh, and
+the processes' exchange of host data (`allgather_bytes`).
 
 The operator renders a JobSet whose pods carry one of two environments:
   - GKE TPU slices: GKE injects `TPU_WORKER_ID` / `TPU_WORKER_HOSTNAMES` (and the operator
@@ -19,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from lora_trainer.config import MeshSpec
 from lora_trainer.errors import UserError
@@ -109,3 +112,32 @@ def make_mesh(spec: MeshSpec) -> jax.sharding.Mesh:
     """The (data, fsdp, tp) mesh over every device of every process, with Auto axes (see reference notes)."""
     shape = mesh_shape(spec, jax.device_count())
     return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+#: Bytes each process sends per round of `allgather_bytes`, summed over the processes: every
+#: device holds a whole round, and by the time data is loaded the model fills most of its memory.
+ROUND_BYTES = 256 << 20
+
+
+def allgather_bytes(blob: bytes, *, round_bytes: int = ROUND_BYTES) -> list[bytes]:
+    """Every process's `blob`, in process order (`[blob]` when the run is one process).
+
+    Why through JAX's collectives: they already connect the hosts (ICI/DCN on TPU, gloo on
+    CPU), so pooling data needs no shared filesystem or other service. The blobs may differ
+    in size: the sizes go first, then rounds of equal-shaped pieces, padded, of at most
+    `round_bytes / process count` bytes each.
+    """
+    count = jax.process_count()
+    if count == 1:
+        return [blob]
+    sizes = [int(n) for n in multihost_utils.process_allgather(np.asarray(len(blob), np.int64))]
+    piece, longest = max(1, round_bytes // count), max(sizes)
+    mine = np.frombuffer(blob, np.uint8)
+    rounds = []
+    for start in range(0, longest, piece):
+        out = np.zeros(min(piece, longest - start), np.uint8)
+        chunk = mine[start : start + len(out)]
+        out[: len(chunk)] = chunk
+        rounds.append(multihost_utils.process_allgather(out))  # [count, len(out)]
+    gathered = np.concatenate(rounds, axis=1) if rounds else np.zeros((count, 0), np.uint8)
+    return [gathered[k, :n].tobytes() for k, n in enumerate(sizes)]

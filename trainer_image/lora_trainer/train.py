@@ -256,7 +256,8 @@ class _Run:
             )
         tokenizer = data.load_tokenizer(loaded.local_dir)
         pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
-        train_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.train, cfg.dataset, tokenizer), cfg.dataset)
+        share = data.Share(jax.process_index(), jax.process_count(), distributed.allgather_bytes)
+        train_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.train, cfg.dataset, tokenizer, share), cfg.dataset)
         seq_len = _seq_len(train_seqs, cfg.dataset.max_seq_len)
         if len(train_seqs) < t.global_batch_size:
             log.warning(
@@ -281,7 +282,7 @@ class _Run:
         )
         eval_ds = None
         if cfg.dataset.eval is not None:
-            eval_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.eval, cfg.dataset, tokenizer), cfg.dataset)
+            eval_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.eval, cfg.dataset, tokenizer, share), cfg.dataset)
             eval_ds = data.eval_batches(
                 eval_seqs,
                 global_batch=micro,
