@@ -114,8 +114,8 @@ def make_mesh(spec: MeshSpec) -> jax.sharding.Mesh:
     return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
-#: Bytes each process sends per round of `allgather_bytes`, summed over the processes: every
-#: device holds a whole round, and by the time data is loaded the model fills most of its memory.
+#: Bytes of one round of `allgather_bytes`, every process's piece together: each device receives
+#: the whole round, and by the time data is loaded the model fills most of its memory.
 ROUND_BYTES = 256 << 20
 
 
