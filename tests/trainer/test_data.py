@@ -234,6 +234,9 @@ def test_shares_tokenized_apart_pool_into_the_whole_file(tmp_path, tok, caplog):
     # Rows go round-robin: of 10 rows, process 0 tokenizes 4 (0, 3, 6, 9), processes 1 and 2 three each.
     assert "(this process tokenized 4 of them, process 0 of 3)" in caplog.text
     assert "(this process tokenized 3 of them, process 2 of 3)" in caplog.text
+    # More processes than rows: the last process's share is empty and it still pools.
+    two = _write_jsonl(tmp_path / "two.jsonl", rows[:2])
+    assert [_as_lists(ds) for ds in _tokenize_in_shares(two, _spec(max_seq_len=24), 3)] == [_as_lists(data.tokenize_file(two, _spec(max_seq_len=24), tok))] * 3
 
 
 def test_every_share_raises_the_earliest_bad_row_of_the_file(tmp_path, tok):
