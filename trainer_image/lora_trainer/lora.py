@@ -55,7 +55,7 @@ def resolve_target_regex(target_modules: str, family: FamilySpec) -> str:
 def targetable_modules(model: nnx.Module, family: FamilySpec) -> dict[str, tuple[int, ...]]:
     """{module path: weight shape} of every LoRA-targetable projection in the model."""
     found: dict[str, tuple[int, ...]] = {}
-    for path, module in model.iter_modules():
+    for path, module in nnx.iter_modules(model):
         module_path = "/".join(map(str, path))
         try:
             target, _ = family.target_for_path(module_path)
