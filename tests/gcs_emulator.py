@@ -52,7 +52,7 @@ def _executable() -> str:
 
 
 def emulator_env(port: int) -> dict[str, str]:
-    """Environment that points every GCS client at the emulator (see shared/reference/README.md)."""
+    """Environment that points every GCS client at the emulator, each by its documented endpoint setting."""
     url = f"http://127.0.0.1:{port}"
     return {
         "STORAGE_EMULATOR_HOST": url,  # google-cloud-storage, gcsfs

@@ -1,15 +1,16 @@
 """Multi-host start-up from the pod's environment, the (data, fsdp, tp) device mesh, and
 the processes' exchange of host data (`allgather_bytes`).
 
-The operator renders a JobSet whose pods carry one of two environments:
-  - GKE TPU slices: GKE injects `TPU_WORKER_ID` / `TPU_WORKER_HOSTNAMES` (and the operator
-    adds `MEGASCALE_*` for several slices); JAX's own cluster detection reads them, so
+Two environments are understood, the explicit one first:
+  - Explicit, what the operator renders on every pod of its JobSets (TPU or not;
+    `lora_operator.render.distributed_env`): `JAX_COORDINATOR_ADDRESS` (host:port of process
+    0), `JAX_PROCESS_COUNT`, and `JAX_PROCESS_ID`, or instead of the latter `LORA_JOB_INDEX` *
+    `LORA_HOSTS_PER_SLICE` + `JOB_COMPLETION_INDEX` (the JobSet's job index and the Indexed
+    Job's completion index, mapped by the downward API); `MEGASCALE_*` for several slices.
+  - GKE's own, for a pod the operator did not render: GKE injects `TPU_WORKER_ID` /
+    `TPU_WORKER_HOSTNAMES`; JAX's cluster detection reads them, so
     `jax.distributed.initialize()` is called without arguments.
-  - Explicit (CPU/GPU, or when the operator wants to be explicit): `JAX_COORDINATOR_ADDRESS`
-    (host:port of process 0), `JAX_PROCESS_COUNT`, and `JAX_PROCESS_ID`, or instead of the
-    latter `LORA_JOB_INDEX` * `LORA_HOSTS_PER_SLICE` + `JOB_COMPLETION_INDEX` (the JobSet's
-    job index and the Indexed Job's completion index, mapped by the downward API).
-A pod with none of these is a single process and nothing is initialised.
+A pod with neither is a single process and nothing is initialised.
 """
 
 from __future__ import annotations
