@@ -33,7 +33,13 @@ SETTINGS = OperatorSettings()
 
 
 def _to_draft4(node: Any) -> Any:
-    """The CRD's structural schema as plain JSON Schema: int-or-string -> integer|string, no x-kubernetes-*."""
+    """The CRD's structural schema as plain JSON Schema: int-or-string -> integer|string, no
+    x-kubernetes-*, and strict objects.
+
+    Strict because the API server prunes what a structural schema does not declare: a misspelt
+    or misplaced field in a JobSet would be dropped silently, so here it is an error (an object
+    with declared properties takes no others unless it preserves unknown fields).
+    """
     if isinstance(node, list):
         return [_to_draft4(x) for x in node]
     if not isinstance(node, dict):
@@ -42,6 +48,8 @@ def _to_draft4(node: Any) -> Any:
     if node.get("x-kubernetes-int-or-string"):
         out.pop("anyOf", None)
         out["type"] = ["integer", "string"]
+    if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
     return out
 
 
@@ -92,6 +100,18 @@ def test_jobset_validates_against_jobset_crd(tpu_type, topology, slices):
     assert env["JAX_PROCESS_COUNT"]["value"] == str(shape.hosts * slices)
     assert env["JAX_COORDINATOR_ADDRESS"]["value"] == "run-1-slice-0-0.run-1:8476"
     assert ("MEGASCALE_NUM_SLICES" in env) == (slices > 1)
+
+
+def test_the_jobset_schema_check_catches_misspelt_and_misplaced_fields():
+    """The API server would prune these silently; the check must not accept them."""
+    _, js = render_lora_finetune(body(), SETTINGS)
+    pod = lambda j: j["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]  # noqa: E731
+    misspelt, misplaced = copy.deepcopy(js), copy.deepcopy(js)
+    pod(misspelt)["nodeSelecter"] = pod(misspelt).pop("nodeSelector")
+    pod(misplaced)["readOnlyRootFilesystem"] = True
+    for bad, field in ((misspelt, "nodeSelecter"), (misplaced, "readOnlyRootFilesystem")):
+        assert any(field in e.message for e in jobset_validator().iter_errors(bad)), field
+    assert list(jobset_validator().iter_errors(js)) == []
 
 
 def test_single_chip_topology_has_one_chip_per_host():
