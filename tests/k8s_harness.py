@@ -22,10 +22,12 @@ import asyncio
 import contextvars
 import datetime
 import itertools
-import threading
 import json
+import logging
 import os
+import re
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -182,11 +184,28 @@ def _rbac_verb(req: kmock.Request) -> str | None:
     return {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}[action.value]
 
 
+class _ExceptionLog(logging.Handler):
+    """Records the ERROR records that carry an exception (kopf's `logger.exception` for a handler
+    that raised something other than kopf's Temporary/PermanentError)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.messages.append(f"{record.getMessage()} [{type(record.exc_info[1]).__name__}]")
+
+
 class Harness:
     """Emulated API server + in-process operator. Use as `async with Harness() as h:`."""
 
-    def __init__(self, emulator: ApiServerEmulator | None = None) -> None:
+    def __init__(self, emulator: ApiServerEmulator | None = None, *, expected_errors: tuple[str, ...] = ()) -> None:
+        """`expected_errors`: regexes of the handler exceptions a test provokes on purpose; any
+        other exception a handler raises fails the test when the harness exits."""
         self.emulator = emulator if emulator is not None else ApiServerEmulator(strict=False)
+        self.expected_errors = expected_errors
+        self._errors = _ExceptionLog()
         self.server: kmock.Server | None = None
         self.http: aiohttp.ClientSession | None = None
         self.url = ""
@@ -218,8 +237,10 @@ class Harness:
             await self._request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         await self.stop_operator()
+        for name in ("kopf", "lora_operator"):
+            logging.getLogger(name).removeHandler(self._errors)
         assert self.http is not None and self.server is not None
         await self.http.close()
         await self.server.__aexit__(None, None, None)
@@ -227,6 +248,15 @@ class Harness:
         _RUN_USAGE.update(self.requests)
         if path := os.environ.get("LORA_RBAC_USAGE_FILE"):
             write_rbac_usage(Path(path), _RUN_USAGE)
+        if exc_type is None:  # a failing test keeps its own error
+            unexpected = [m for m in self.handler_exceptions() if not any(re.search(e, m) for e in self.expected_errors)]
+            assert not unexpected, f"the operator logged exceptions (kopf logs and goes on): {unexpected}"
+
+    def handler_exceptions(self) -> list[str]:
+        """Messages (with their exception) of every error the operator logged with a traceback:
+        kopf catches what a handler or timer raises, logs it and retries or ignores it, so a test
+        that only waits for states would not notice."""
+        return list(self._errors.messages)
 
     async def start_operator(self, settings: OperatorSettings | None = None) -> None:
         """Run the real operator until `stop_operator`, in its own thread and event loop: kopf
@@ -251,6 +281,10 @@ class Harness:
             except BaseException as e:  # reported by stop_operator
                 self._failure = e
 
+        for name in ("kopf", "lora_operator"):
+            logger = logging.getLogger(name)
+            if self._errors not in logger.handlers:
+                logger.addHandler(self._errors)
         self._operator = threading.Thread(target=run, name="kopf-operator", daemon=True)
         self._operator.start()
         if not await asyncio.to_thread(ready.wait, 30):

@@ -39,6 +39,8 @@ from lora_operator.render import (
 from lora_operator.settings import OperatorSettings
 from lora_operator.tpu import SliceShape
 
+log = logging.getLogger(__name__)
+
 LFT = "lorafinetunes"
 ADC = "adapterconversions"
 SECRET_RETRY_SECONDS = 30
@@ -238,7 +240,14 @@ def _write_status(kube: Kube, cr: dict[str, Any], obs: st.Observation, **fields:
     new = st.status_patch(current, obs, meta.get("generation"), st.now_rfc3339(), **fields)
     if all(current.get(k) == v for k, v in new.items()):
         return
-    kube.merge_patch(API_VERSION, cr["kind"], meta["namespace"], meta["name"], {"status": new}, status=True)
+    try:
+        kube.merge_patch(API_VERSION, cr["kind"], meta["namespace"], meta["name"], {"status": new}, status=True)
+    except ApiException as e:
+        if e.status != 404:
+            raise
+        # Deleted since the timer or child event read it (its finalizer already removed): nothing to report.
+        log.debug("%s %s/%s is gone; its status was not written", cr["kind"], meta["namespace"], meta["name"])
+        return
     if current.get("phase") != obs.phase:
         _event("Warning" if obs.phase == "Failed" else "Normal", cr, reason=obs.reason, message=obs.message)
     if (obs.restarts or 0) > (current.get("restarts") or 0):  # with one slice, a restart also changes the phase

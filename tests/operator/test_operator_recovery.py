@@ -10,10 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import kmock
+import kubernetes.client
 import pytest
 from k8s_harness import ApiServerEmulator, Harness, _now
 from test_operator_e2e import _cond, _has_event, _phase, adc, lft
 
+from lora_operator import handlers
+from lora_operator import status as st
+from lora_operator.kube import Kube
 from lora_operator.settings import OperatorSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -37,7 +41,7 @@ async def test_a_lost_status_write_does_not_strand_a_conversion():
     """kopf does not retry event handlers: the conversion's resync timer reads the Job again (it
     stayed Running until the Job's TTL deleted it, and then converted a second time)."""
     emulator = _StatusHiccup(strict=False)
-    async with Harness(emulator) as h:
+    async with Harness(emulator, expected_errors=(r"etcdserver: request timed out",)) as h:
         await h.start_operator()
         await h.create(adc("conv-h"))
         await h.wait_for_status("AdapterConversion", "conv-h", _phase("Pending"))
@@ -48,6 +52,23 @@ async def test_a_lost_status_write_does_not_strand_a_conversion():
         await h.wait_for(lambda: asyncio.sleep(0, result=emulator.plural is None), what="the lost write")
         st = await h.wait_for_status("AdapterConversion", "conv-h", _phase("Succeeded"))
         assert st["status"]["outputUri"] == "gs://runs-bucket/conv-h/orbax"
+        assert any("etcdserver" in m for m in h.handler_exceptions())  # the write was lost in a handler, as meant
+
+
+async def test_a_status_write_for_a_resource_deleted_since_is_dropped():
+    """A resync timer or child event holds a snapshot of its resource; deleted since (the finalizer
+    gone), the status write's 404 means nothing is left to report on: no exception for kopf to log
+    and retry, no event."""
+    async with Harness() as h:
+        await h.create(adc("conv-gone"))
+        snapshot = await h.get("AdapterConversion", "conv-gone")
+        await h.delete("AdapterConversion", "conv-gone")
+        await h.gone("AdapterConversion", "conv-gone")
+        cfg = kubernetes.client.Configuration()
+        cfg.host = h.url
+        kube = Kube(kubernetes.client.ApiClient(cfg))
+        await asyncio.to_thread(handlers._write_status, kube, snapshot, st.Observation("Running", "JobRunning", "the Job is running"))
+        assert await h.events_for("conv-gone") == []
 
 
 async def test_settings_narrowed_under_an_admitted_run_leave_it_training():
