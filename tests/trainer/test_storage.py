@@ -12,7 +12,7 @@ from lora_trainer.errors import UserError
 
 def test_staged_output_publishes_only_on_success(tmp_path):
     out = tmp_path / "adapter"
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="export failed half-way"):
         with storage.staged_output_dir(str(out)) as stage:
             (stage / "adapter_config.json").write_text("{}")
             raise RuntimeError("export failed half-way")
