@@ -20,7 +20,7 @@ from trainer_fixtures import dot_operand_types, hlo_dots
 from lora_trainer import lora as lora_mod
 from lora_trainer.config import LoraSpec, QuantizationSpec
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
-from lora_trainer.lora_provider import _subscripts, dot_general_spec, lora_delta
+from lora_trainer.lora_provider import LoraProvider, _subscripts, dot_general_spec, lora_delta
 from lora_trainer.loss import lm_loss, model_inputs
 from lora_trainer.models import FAMILIES, LoadedModel, load_model
 from lora_trainer.tiny_models import make_tiny_hf_model
@@ -132,10 +132,40 @@ def test_bfloat16_lora_delta_backward_runs_on_bfloat16_dots(spec: str, shapes: l
         np.testing.assert_allclose(np.float32(got), want, atol=3e-2 * float(np.abs(want).max()))
 
 
-def test_unusual_specs_fall_back() -> None:
+def test_unusual_specs_are_recognised() -> None:
     assert _subscripts("BTD,Dr,rNH->BTNH") is not None
     assert _subscripts("BTD,DNH->BTNH") is None  # not three operands
     assert _subscripts("BTD,Dr,rNH->BTNHQ") is None  # an output letter from nowhere
+
+
+class _EinsumWithOptions(nnx.Module):
+    """A projection whose einsum passes options (here `precision`): `lora_delta` does not take them,
+    so the provider falls back to a plain einsum for the low-rank path."""
+
+    def __init__(self) -> None:
+        self.w = nnx.Param(jax.random.normal(jax.random.key(0), (8, 2, 4)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("BTD,DNH->BTNH", x, self.w.value, precision=jax.lax.Precision.HIGHEST)
+
+
+def test_an_einsum_with_options_falls_back_to_qwix_s_math() -> None:
+    x = jax.random.normal(jax.random.key(1), (2, 3, 8))
+    models = []
+    for provider in (LoraProvider, qwix.LoraProvider):
+        model = qwix.apply_lora_to_model(_EinsumWithOptions(), provider(module_path=".*", rank=2, alpha=3.0), x)
+        models.append(model)
+    params = _random_lora(models[0])
+    assert params and all(set(p) == {"w_lora_a", "w_lora_b"} for p in params.values()), params
+    results = []
+    for model in models:
+        set_lora_state(model, params)
+        loss = lambda m: jnp.sum(jnp.sin(m(x)))  # noqa: E731
+        value, grads = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        results.append((float(value), {"/".join(map(str, k)): np.asarray(v.value) for k, v in nnx.to_flat_state(grads)}))
+    _assert_same(*results)
+    frozen = float(jnp.sum(jnp.sin(jnp.einsum("BTD,DNH->BTNH", x, _EinsumWithOptions().w.value))))
+    assert abs(results[0][0] - frozen) > 1e-3  # the adapter takes part
 
 
 RANK_BF16 = 3  # a rank no tiny-model dimension has, so rank-sized dots are recognisable in the HLO
