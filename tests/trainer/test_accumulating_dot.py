@@ -52,10 +52,22 @@ def test_bfloat16_values_and_gradients_are_the_float32_ones_rounded(
     ref, ref_vjp = jax.vjp(wide, x, w)
     g = jax.random.normal(keys[2], out.shape).astype(jnp.bfloat16)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.float32(out), np.float32(ref.astype(jnp.bfloat16)), rtol=1e-2, atol=1e-2)
-    for got, want in zip(vjp(g), ref_vjp(g.astype(jnp.float32)), strict=True):
+    # Summation order may differ from the float32 reference's, so a value on a rounding boundary
+    # may round the other way: one bfloat16 step apart at most, and rarely (rounding toward zero,
+    # or rounding twice, would miss about half the values).
+    for got, want in ((out, ref), *zip(vjp(g), ref_vjp(g.astype(jnp.float32)), strict=True)):
         assert got.dtype == jnp.bfloat16
-        np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=2e-2, atol=2e-2)
+        steps = _steps(got, want)
+        assert steps.max() <= 1 and (steps == 0).mean() >= 0.9, (steps.max(), (steps == 0).mean())
+
+
+def _steps(got: jax.Array, want: jax.Array) -> np.ndarray:
+    """How many bfloat16 steps each value of `got` is from `want` rounded to bfloat16."""
+    def ordered(a: jax.Array) -> np.ndarray:  # bit patterns as integers that count steps across zero too
+        bits = np.asarray(a.astype(jnp.bfloat16)).view(np.int16).astype(np.int32)
+        return np.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return np.abs(ordered(got) - ordered(want))
 
 
 def test_float32_is_passed_through_unchanged() -> None:
