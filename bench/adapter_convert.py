@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -249,7 +248,7 @@ def measure(repeat: int) -> dict[str, Any]:
     result["repeat"] = repeat
     result["load"] = (load_before, os.getloadavg()[0])
     result["machine"] = (
-        f"{platform.machine()}, {os.cpu_count()} CPUs, load average {load_before:.1f} at the start and "
+        f"{report.machine()}, load average {load_before:.1f} at the start and "
         f"{result['load'][1]:.1f} at the end"
     )
     return result

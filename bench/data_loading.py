@@ -18,7 +18,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -130,7 +129,7 @@ def main() -> None:
     table = "\n".join(f"| {name} | {s:.2f} | {rate:,.0f} |" for name, s, rate in rows)
     body = f"""## Data loading
 
-`bench/data_loading.py` on {platform.machine()} ({os.cpu_count()} cores), {time.strftime("%Y-%m-%d")}:
+`bench/data_loading.py` on {report.machine()}, {time.strftime("%Y-%m-%d")}:
 {args.rows} chat rows ({tokens / args.rows:.0f} tokens each on average, assistant-only loss mask from the
 chat template), `data.tokenize_file` in one process and in two real processes joined by
 `jax.distributed` (gloo), each tokenizing every other row and pooling them (the same

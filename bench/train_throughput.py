@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -293,7 +292,7 @@ def _section(parts: list[str], load: float, steps: int) -> str:
 {RANK} (alpha {ALPHA:g}) on all seven projections, AdamW, LoRA params float32; the same shapes and
 batch for every row, all in one run, median of {steps} rounds after 2 warm-up steps, the rows
 of one dtype measured round-robin (one step of each per round) so that other load hits every
-row alike. Machine: {platform.machine()}, {os.cpu_count()} CPUs shared with other work (1-minute
+row alike. Machine: {report.machine()}, shared with other work (1-minute
 load average {load:.1f} at the end), JAX CPU. GFLOP is XLA's own count for the compiled loss +
 gradients (its cost analysis). glibc malloc tuned as `run_training` tunes it
 (`lora_trainer.host_memory`): {"yes" if HOST_MEMORY_TUNED else "NO"}. Measured {time.strftime("%Y-%m-%d")}.
