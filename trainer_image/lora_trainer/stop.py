@@ -1,5 +1,5 @@
-"""Stopping at a step boundary: SIGTERM (preemption, pod deletion) and, in a run started by hand
-(`lora-trainer train`, `lora-operator run-local`), Ctrl-C.
+"""Stopping at a step boundary: SIGTERM (preemption, pod deletion) and Ctrl-C from a terminal
+(`lora-trainer train` and `lora-operator run-local` handle it; in a pod none arrives).
 
 A signal only sets a flag; the training loop checks it between steps and saves a checkpoint.
 After SIGTERM it exits with the retriable code, so the JobSet restarts the run and it resumes
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class StopRequest:
-    """Set by SIGTERM (preemption, pod deletion), or by Ctrl-C when `interruptible` (a run started by hand);
+    """Set by SIGTERM (preemption, pod deletion), or by Ctrl-C when `interruptible` (the CLI and the local mode);
     checked at step boundaries by every process."""
 
     def __init__(self, *, interruptible: bool = False) -> None:

@@ -196,8 +196,9 @@ def run_training(cfg: TrainConfig, *, on_progress: ProgressCallback | None = Non
     """Train (or resume) the LoRA adapter `cfg` describes; returns when `training.steps` are done.
 
     Raises UserError for bad input and RetriableError after a SIGTERM (checkpoint committed)
-    or a storage outage; the CLI maps them to exit codes 3 and 42. With `interruptible` (a run
-    started by hand: `lora-trainer train`, the local mode), Ctrl-C is handled as SIGTERM is and raises Interrupted (130).
+    or a storage outage; the CLI maps them to exit codes 3 and 42. With `interruptible` (the
+    `lora-trainer train` CLI and the local mode), Ctrl-C from a terminal is handled as SIGTERM is
+    and raises Interrupted (130).
     """
     host_memory.retain_freed_memory()  # before JAX's thread pools start (see host_memory)
     _configure_logging()
