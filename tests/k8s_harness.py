@@ -269,9 +269,7 @@ class Harness:
         def _login(**_: Any) -> kopf.ConnectionInfo:
             return kopf.ConnectionInfo(server=url)
 
-        cfg = kubernetes.client.Configuration()
-        cfg.host = url
-        kube = Kube(kubernetes.client.ApiClient(cfg))
+        kube = self.kube()
         self._stop, ready = threading.Event(), threading.Event()
         self._failure: BaseException | None = None
 
@@ -289,6 +287,12 @@ class Harness:
         self._operator.start()
         if not await asyncio.to_thread(ready.wait, 30):
             raise AssertionError(f"the operator did not become ready within 30s ({self._failure!r})")
+
+    def kube(self) -> Kube:
+        """The operator's own API client (`lora_operator.kube.Kube`), pointed at the emulator."""
+        cfg = kubernetes.client.Configuration()
+        cfg.host = self.url
+        return Kube(kubernetes.client.ApiClient(cfg))
 
     async def stop_operator(self) -> None:
         """Set kopf's stop flag and wait for the operator thread to end."""

@@ -10,14 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import kmock
-import kubernetes.client
 import pytest
 from k8s_harness import ApiServerEmulator, Harness, _now
 from test_operator_e2e import _cond, _has_event, _phase, adc, lft
 
 from lora_operator import handlers
 from lora_operator import status as st
-from lora_operator.kube import Kube
 from lora_operator.settings import OperatorSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -64,10 +62,7 @@ async def test_a_status_write_for_a_resource_deleted_since_is_dropped():
         snapshot = await h.get("AdapterConversion", "conv-gone")
         await h.delete("AdapterConversion", "conv-gone")
         await h.gone("AdapterConversion", "conv-gone")
-        cfg = kubernetes.client.Configuration()
-        cfg.host = h.url
-        kube = Kube(kubernetes.client.ApiClient(cfg))
-        await asyncio.to_thread(handlers._write_status, kube, snapshot, st.Observation("Running", "JobRunning", "the Job is running"))
+        await asyncio.to_thread(handlers._write_status, h.kube(), snapshot, st.Observation("Running", "JobRunning", "the Job is running"))
         assert await h.events_for("conv-gone") == []
 
 

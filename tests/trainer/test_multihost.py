@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 from gcs_emulator import free_port
-from trainer_fixtures import progress_lines, start_trainer, train_config, trainer_env, write_config
+from trainer_fixtures import finish, progress_lines, start_trainer, train_config, trainer_env, write_config
 
 from lora_trainer import checkpoint, exit_codes
 from lora_trainer.config import MeshSpec
@@ -56,6 +56,12 @@ def test_mesh_shape():
 
 
 
+def _gloo_env() -> dict[str, str]:
+    """What each of two local one-device CPU processes needs to join one jax.distributed run (gloo),
+    besides its process id."""
+    return {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_PROCESS_COUNT": "2", "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
+
+
 _ALLGATHER = """
 import json, jax
 from lora_trainer import distributed
@@ -76,17 +82,12 @@ def test_allgather_bytes_pools_blobs_of_any_size_across_real_processes(tmp_path)
     (gloo here), blobs of unequal sizes in several padded rounds, and empty ones."""
     script = tmp_path / "allgather.py"
     script.write_text(_ALLGATHER)
-    common = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_PROCESS_COUNT": "2", "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
+    common = _gloo_env()
     procs = [
         subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=trainer_env(**common, JAX_PROCESS_ID=str(k)))
         for k in (0, 1)
     ]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = finish(procs, timeout=120)
     assert [p.returncode for p in procs] == [0, 0], [err.decode()[-2000:] for _, err in outs]
     want = {"uneven": ["AAA", "BBBBBBBB"], "one empty": ["", "xyz"], "all empty": ["", ""]}
     assert [json.loads(out.decode().splitlines()[-1]) for out, _ in outs] == [want, want]
@@ -100,23 +101,15 @@ def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tm
     base["dataset"]["eval"] = base["dataset"]["train"]
     one = write_config(tmp_path / "one.json", {**base, "output": {"uri": str(tmp_path / "one")}})
     two = write_config(tmp_path / "two.json", {**base, "output": {"uri": str(tmp_path / "two")}})
-    cpu = {"JAX_PLATFORMS": "cpu"}
-
-    single = start_trainer(one, tmp_path / "one.log", JAX_NUM_CPU_DEVICES="2", **cpu)
-    coordinator = f"127.0.0.1:{free_port()}"
-    common = {"JAX_COORDINATOR_ADDRESS": coordinator, "JAX_PROCESS_COUNT": "2", "JAX_NUM_CPU_DEVICES": "1", **cpu}
+    single = start_trainer(one, tmp_path / "one.log", JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu")
+    common = _gloo_env()
     procs = [
         start_trainer(two, tmp_path / "p0.log", JAX_PROCESS_ID="0", **common),
         # The second host finds its id the way a JobSet pod does: job index * hosts per slice + completion index.
         start_trainer(two, tmp_path / "p1.log", LORA_JOB_INDEX="0", LORA_HOSTS_PER_SLICE="2", JOB_COMPLETION_INDEX="1", **common),
     ]
-    try:
-        codes = [p.wait(timeout=400) for p in [single, *procs]]
-    finally:
-        for p in [single, *procs]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    finish([single, *procs], timeout=400)
+    codes = [p.returncode for p in [single, *procs]]
     logs = {name: (tmp_path / f"{name}.log").read_text()[-3000:] for name in ("one", "p0", "p1")}
     assert codes == [exit_codes.OK] * 3, logs
     assert "joining a 2-process run as process 1" in logs["p1"]
@@ -143,20 +136,14 @@ def test_tensor_parallelism_across_hosts_feeds_every_host_the_whole_batch(tmp_pa
     (step 1's loss 6.47 against 6.39): the adapter must equal one process with two devices."""
     cfg = train_config(tmp_path, "", steps=3, checkpointEvery=3, mesh={"tp": 2})
     paths = {n: write_config(tmp_path / f"{n}.json", {**cfg, "output": {"uri": str(tmp_path / n)}}) for n in ("one", "two")}
-    cpu = {"JAX_PLATFORMS": "cpu"}
-    common = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_PROCESS_COUNT": "2", "JAX_NUM_CPU_DEVICES": "1", **cpu}
+    common = _gloo_env()
     procs = [
-        start_trainer(paths["one"], tmp_path / "one.log", JAX_NUM_CPU_DEVICES="2", **cpu),
+        start_trainer(paths["one"], tmp_path / "one.log", JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu"),
         start_trainer(paths["two"], tmp_path / "p0.log", JAX_PROCESS_ID="0", **common),
         start_trainer(paths["two"], tmp_path / "p1.log", JAX_PROCESS_ID="1", **common),
     ]
-    try:
-        codes = [p.wait(timeout=400) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    finish(procs, timeout=400)
+    codes = [p.returncode for p in procs]
     assert codes == [exit_codes.OK] * 3, {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in ("one", "p0", "p1")}
     losses = {n: [r["loss"] for r in progress_lines(tmp_path / f"{n}.log")] for n in ("one", "p0")}
     assert losses["p0"] == pytest.approx(losses["one"], abs=1e-5), losses
@@ -176,7 +163,8 @@ def test_a_bfloat16_base_trains_sharded_by_fsdp_and_by_tp(tmp_path):
         cfg["model"]["dtype"] = "bfloat16"
         path = write_config(tmp_path / f"{name}.json", cfg)
         procs[name] = start_trainer(path, tmp_path / f"{name}.log", JAX_NUM_CPU_DEVICES=devices, JAX_PLATFORMS="cpu")
-    codes = {name: p.wait(timeout=400) for name, p in procs.items()}
+    finish(list(procs.values()), timeout=400)
+    codes = {name: p.returncode for name, p in procs.items()}
     logs = {name: (tmp_path / f"{name}.log").read_text()[-3000:] for name in procs}
     assert set(codes.values()) == {exit_codes.OK}, logs
     losses = {name: [r["loss"] for r in progress_lines(tmp_path / f"{name}.log")] for name in procs}
@@ -200,7 +188,8 @@ def test_tp_that_does_not_divide_the_heads_replicates_that_axis(tmp_path):
         cfg["model"]["source"] = str(model)
         procs[name] = start_trainer(write_config(tmp_path / f"{name}.json", cfg), tmp_path / f"{name}.log",
                                     JAX_NUM_CPU_DEVICES=devices, JAX_PLATFORMS="cpu")
-    codes = {name: p.wait(timeout=400) for name, p in procs.items()}
+    finish(list(procs.values()), timeout=400)
+    codes = {name: p.returncode for name, p in procs.items()}
     assert codes == {"tp": exit_codes.OK, "one": exit_codes.OK}, {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in procs}
     losses = {name: [r["loss"] for r in progress_lines(tmp_path / f"{name}.log")] for name in procs}
     assert losses["tp"] == pytest.approx(losses["one"], rel=1e-4), losses
@@ -216,7 +205,8 @@ def test_qlora_trains_sharded_by_fsdp_and_by_tp(tmp_path):
         cfg["lora"]["quantization"] = {"weightQtype": "nf4", "tileSize": 16}
         procs[name] = start_trainer(write_config(tmp_path / f"{name}.json", cfg), tmp_path / f"{name}.log",
                                     JAX_NUM_CPU_DEVICES=devices, JAX_PLATFORMS="cpu")
-    codes = {name: p.wait(timeout=400) for name, p in procs.items()}
+    finish(list(procs.values()), timeout=400)
+    codes = {name: p.returncode for name, p in procs.items()}
     assert set(codes.values()) == {exit_codes.OK}, {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in procs}
     losses = {name: [r["loss"] for r in progress_lines(tmp_path / f"{name}.log")] for name in procs}
     assert len(losses["one"]) == 3 and all(np.isfinite(losses["one"]))

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from trainer_fixtures import parse, progress_lines, start_trainer, train_config, write_config
+from trainer_fixtures import finish, parse, progress_lines, start_trainer, train_config, write_config
 
 from lora_trainer import checkpoint, exit_codes
 from lora_trainer.errors import UserError
@@ -30,12 +30,8 @@ ENV = {"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
 
 def _run_to_end(cfg_path: str, log: Path, timeout: float = 300) -> int:
     proc = start_trainer(cfg_path, log, **ENV)
-    try:
-        return proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    finish([proc], timeout)
+    return proc.returncode
 
 
 def _signal_when(proc: subprocess.Popen[bytes], log: Path, sig: int, min_step: int, timeout: float = 300) -> int:

@@ -107,6 +107,18 @@ def start_trainer(config_path: str, log_path: Path, **env: str) -> subprocess.Po
     return subprocess.Popen([LORA_TRAINER, "train", "--config", config_path], stdout=log, stderr=subprocess.STDOUT, env=trainer_env(**env), cwd=REPO)
 
 
+def finish(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[tuple[bytes | None, bytes | None]]:
+    """Each process's (stdout, stderr) once it exits (None where not piped); when one does not exit
+    in time, every process still running is killed, so no trainer outlives its test."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def progress_lines(log_path: Path) -> list[dict[str, Any]]:
     """The JSON progress lines a trainer printed."""
     out = []
