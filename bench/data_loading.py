@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,9 @@ import time
 from pathlib import Path
 
 import report  # bench/ is on sys.path when a script here runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gcs_emulator import free_port  # noqa: E402  (the tests' loopback port helper)
 
 WORDS = "the a river city capital review label positive negative hotel delivery great mountain answer why how".split()
 
@@ -65,17 +67,11 @@ def worker(data_file: str, model_dir: str) -> None:
     print(json.dumps({"seconds": seconds, "examples": len(ds.examples), "tokens": tokens, "digest": digest}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(data_file: Path, model_dir: Path, processes: int) -> dict:
     """`processes` real worker processes; the slowest one's time (they finish together, after pooling)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
     if processes > 1:
-        env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_PROCESS_COUNT": str(processes)}
+        env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_PROCESS_COUNT": str(processes)}
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--worker", str(data_file), str(model_dir)],

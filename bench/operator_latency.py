@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from k8s_harness import PATHS, ApiServerEmulator, Harness  # noqa: E402
 import kmock  # noqa: E402
 from crdcheck import validate  # noqa: E402
+from gcs_emulator import free_port  # noqa: E402
 import report  # bench/ is on sys.path when a script here runs
 
 #: How the operator is started (override with env LORA_BENCH_OPERATOR_CMD, e.g. to profile it).
@@ -54,12 +54,6 @@ class TimedEmulator(ApiServerEmulator):
             elif res.plural == "lorafinetunes" and request.subresource == "status" and request.name:
                 TimedEmulator.handler_started.setdefault(request.name, time.monotonic())
         return response
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cr(i: int) -> dict[str, Any]:
@@ -104,7 +98,7 @@ async def measure(count: int, timeout: float) -> dict[str, Any]:
         }))
         settings = tmp / "settings.yaml"
         settings.write_text("logLevel: WARNING\n")
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         proc = subprocess.Popen(
             [*OPERATOR_CMD, "run", "--settings", str(settings),
