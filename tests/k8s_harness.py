@@ -158,6 +158,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             raise kmock.KubernetesError(status=422, reason="Invalid", message=f"the object has been modified: {e}") from e
 
 
+def harness_settings(**changes: Any) -> OperatorSettings:
+    """The operator settings of the emulator tests: a fast resync, and local paths allowed anywhere
+    (the tests stand local directories in for buckets: the operator reads their progress.json)."""
+    return OperatorSettings(**{"progress_poll_seconds": 0.5, "allowed_local_paths": ["/"], **changes})
+
+
 def real_cluster() -> bool:
     """True when the caller asked for a real cluster (KUBECONFIG + LORA_E2E_REAL_CLUSTER=1)."""
     return bool(os.environ.get("KUBECONFIG")) and os.environ.get("LORA_E2E_REAL_CLUSTER") == "1"
@@ -261,7 +267,7 @@ class Harness:
     async def start_operator(self, settings: OperatorSettings | None = None) -> None:
         """Run the real operator until `stop_operator`, in its own thread and event loop: kopf
         cancels every task created after its start when it stops, so it cannot share the test's loop."""
-        settings = settings or OperatorSettings(progress_poll_seconds=0.5)
+        settings = settings or harness_settings()
         registry = build_registry(settings)
         url = self.url
 

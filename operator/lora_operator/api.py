@@ -8,22 +8,24 @@ trainer cannot drift apart.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from lora_trainer.config import (
     OUTPUT_URI_PATTERN,
-    URI_PATTERN,
     ApiModel,
     DatasetSpec,
     Family,
+    InputUri,
     LoraSpec,
     ModelSpec,
     OutputSpec,
     TrainConfig,
     TrainingSpec,
 )
+from lora_operator.images import IMAGE_PATTERN, MAX_IMAGE
 from lora_operator.tpu import CATALOG
 
 GROUP = "lora-operator.dev"
@@ -35,14 +37,51 @@ Phase = Literal["Pending", "Running", "Suspended", "Exporting", "Succeeded", "Fa
 
 #: Resource names a CR may request or limit; TPU chips come from `tpu`, never from `resources`.
 ALLOWED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
-#: Env var prefixes the operator owns (distributed init, topology); a CR may not override them.
-RESERVED_ENV_PREFIXES = ("JAX_", "MEGASCALE_", "TPU_", "LORA_", "XLA_", "GOOGLE_", "KUBERNETES_")
-#: Whole names the operator sets: the pod's completion index (process ids) and the Secret-backed hub token.
-RESERVED_ENV_NAMES = ("JOB_COMPLETION_INDEX", "HF_TOKEN")
+#: Env var name prefixes a CR may not set, compared case-insensitively (Python's urllib and
+#: requests read `https_proxy` as well as `HTTPS_PROXY`). Each either belongs to the operator
+#: (distributed start-up, topology, the trainer's own knobs), or decides where credentials and
+#: data go (hub endpoint and token, Google credentials and metadata server, storage endpoints,
+#: proxies, trusted CAs), or what code runs (Python and the dynamic loader). See
+#: docs/operator-guarantees.md for why each is here.
+RESERVED_ENV_PREFIXES = (
+    "JAX_", "MEGASCALE_", "TPU_", "LIBTPU_", "XLA_", "LORA_", "KUBERNETES_",
+    "HF_", "HUGGINGFACE_", "HUGGING_FACE_", "GOOGLE_", "GCE_", "GCLOUD_", "CLOUDSDK_", "GRPC_",
+    "TENSORSTORE_", "FSSPEC_", "GCSFS_", "SSL_", "REQUESTS_", "CURL_", "PYTHON", "LD_",
+)
+#: Whole names a CR may not set (case-insensitive): the pod's completion index (process ids), the
+#: storage emulator endpoint, the proxies, the metadata-server check, and the shell's search and
+#: start-up variables.
+RESERVED_ENV_NAMES = (
+    "JOB_COMPLETION_INDEX", "STORAGE_EMULATOR_HOST", "NO_GCE_CHECK", "METADATA_SERVER_DETECTION",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "FTP_PROXY",
+    "PATH", "HOME", "BASH_ENV", "ENV", "SHELL",
+)
+#: One case-insensitive RE2 pattern of every reserved name: pydantic and the CRD's CEL rule use it alike.
+RESERVED_ENV_PATTERN = (
+    f"(?i)^(({'|'.join(RESERVED_ENV_PREFIXES)}).*|({'|'.join(RESERVED_ENV_NAMES)}))$"
+)
+#: Why a reserved env name is refused, and the fix (pydantic and the CRD's CEL rule say the same).
+RESERVED_ENV_MESSAGE = (
+    "names that steer the distributed start-up, credentials, endpoints, proxies or code loading belong to the "
+    "operator and the platform admin (the hub token comes from hfTokenSecretRef; see docs/operator-guarantees.md "
+    "for the list); rename the variable or drop it"
+)
+_ENV_NAME_DOC = (
+    f"Variable name. Reserved, in any letter case: {', '.join(RESERVED_ENV_NAMES)}, and names starting with "
+    f"{', '.join(RESERVED_ENV_PREFIXES)}."
+)
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+#: Longest resource quantity (`8000m`, `64Gi`): far longer than any real one.
+MAX_QUANTITY = 64
+#: Most extra environment variables per CR.
+MAX_ENV = 64
+
+Image = Annotated[str, Field(pattern=IMAGE_PATTERN, min_length=1, max_length=MAX_IMAGE)]
+Quantity = Annotated[str, Field(pattern=QUANTITY, max_length=MAX_QUANTITY)]
+ObjectName = Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)]
 
 
 class TpuSpec(ApiModel):
@@ -64,11 +103,11 @@ class TpuSpec(ApiModel):
 
 
 class ResourceList(ApiModel):
-    cpu: Annotated[str, Field(pattern=QUANTITY)] | None = None
+    cpu: Quantity | None = None
     """CPU quantity, e.g. `8` or `8000m`."""
-    memory: Annotated[str, Field(pattern=QUANTITY)] | None = None
+    memory: Quantity | None = None
     """Memory quantity, e.g. `64Gi`."""
-    ephemeral_storage: Annotated[str, Field(pattern=QUANTITY)] | None = Field(default=None, alias="ephemeral-storage")
+    ephemeral_storage: Quantity | None = Field(default=None, alias="ephemeral-storage")
     """Local ephemeral storage, e.g. `100Gi`."""
 
 
@@ -80,26 +119,22 @@ class Resources(ApiModel):
 
 
 class EnvVar(ApiModel):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128)]
-    """Variable name; JOB_COMPLETION_INDEX, HF_TOKEN and names starting with JAX_, MEGASCALE_, TPU_, LORA_, XLA_, GOOGLE_ or KUBERNETES_ are reserved."""
+    name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128, description=_ENV_NAME_DOC)]
     value: Annotated[str, Field(max_length=4096)] = ""
     """Literal value. Secrets are passed by reference only (hfTokenSecretRef), never as env values."""
 
     @field_validator("name")
     @classmethod
     def _not_reserved(cls, v: str) -> str:
-        if v.startswith(RESERVED_ENV_PREFIXES) or v in RESERVED_ENV_NAMES:
-            raise ValueError(
-                f"env name {v!r} is reserved for the operator ({', '.join(RESERVED_ENV_NAMES)} and the prefixes "
-                f"{', '.join(RESERVED_ENV_PREFIXES)}; the hub token comes from hfTokenSecretRef); rename it"
-            )
+        if re.match(RESERVED_ENV_PATTERN, v):
+            raise ValueError(f"env name {v!r} is reserved: {RESERVED_ENV_MESSAGE}")
         return v
 
 
 class SecretKeyRef(ApiModel):
-    name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)]
-    """Name of a Secret in the CR's namespace."""
-    key: Annotated[str, Field(min_length=1, max_length=253)] = "token"
+    name: ObjectName
+    """Name of a Secret in the CR's namespace; must be one of the operator's `allowedTokenSecrets`."""
+    key: Annotated[str, Field(pattern=r"^[-._a-zA-Z0-9]+$", max_length=253)] = "token"
     """Key in the Secret holding the Hugging Face token."""
 
 
@@ -108,14 +143,14 @@ class LoraFinetuneSpec(TrainConfig):
 
     tpu: TpuSpec = Field(default_factory=TpuSpec)
     """TPU slice shape the trainer runs on."""
-    image: Annotated[str, Field(min_length=1, max_length=512)] | None = None
-    """Trainer image; must be in the operator's image allowlist. Default: the operator's configured trainer image."""
-    service_account_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
-    """Kubernetes service account of the trainer pods (Workload Identity for the bucket)."""
+    image: Image | None = None
+    """Trainer image, `REGISTRY/REPOSITORY:TAG` or `...@sha256:DIGEST`; its registry and repository must be in the operator's `allowedImages`. Default: the operator's configured trainer image."""
+    service_account_name: ObjectName | None = None
+    """Kubernetes service account of the trainer pods (Workload Identity for the bucket); must be one of the operator's `allowedServiceAccounts`."""
     queue_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=63)] | None = None
     """Kueue LocalQueue; sets the `kueue.x-k8s.io/queue-name` label on the JobSet (so at most 63 characters, a label value's limit)."""
-    priority_class_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
-    """PriorityClass of the trainer pods."""
+    priority_class_name: ObjectName | None = None
+    """PriorityClass of the trainer pods; must be one of the operator's `allowedPriorityClasses`."""
     max_restarts: Annotated[int, Field(ge=0, le=1000)] = 3
     """JobSet restarts allowed after preemption or retriable faults before the run fails."""
     suspend: bool = False
@@ -124,7 +159,7 @@ class LoraFinetuneSpec(TrainConfig):
     """Secret holding a Hugging Face token, for `hf://` models; mounted as HF_TOKEN, never copied."""
     resources: Resources | None = None
     """Extra CPU/memory requests and limits for the trainer container."""
-    env: Annotated[list[EnvVar], Field(max_length=64)] = Field(default_factory=list)
+    env: Annotated[list[EnvVar], Field(max_length=MAX_ENV)] = Field(default_factory=list)
     """Extra environment variables for the trainer container (literal values only)."""
 
     def train_config(self) -> TrainConfig:
@@ -185,17 +220,22 @@ class LoraFinetuneStatus(ApiModel):
 
 
 class AdapterEndpoint(ApiModel):
-    uri: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)]
+    uri: InputUri
     """Adapter location: local path or `gs://`."""
     format: Literal["hf-peft", "orbax"]
     """`hf-peft` (adapter_config.json + adapter_model.safetensors) or `orbax` (a LoRA checkpoint the trainer's restoreFrom accepts)."""
 
 
 class ConversionModel(ApiModel):
-    source: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)]
+    source: InputUri
     """Base model the adapter belongs to (HF safetensors checkpoint); needed for the mapping and for merged output."""
     family: Family | None = None
     """Model family; detected from the checkpoint's config.json when omitted."""
+
+
+def as_directory(uri: str) -> str:
+    """`uri` with one trailing `/`, so that `a/b` and `a/b/` compare equal and `a/bc` is not under `a/b`."""
+    return uri if uri.endswith("/") else uri + "/"
 
 
 class AdapterConversionSpec(ApiModel):
@@ -204,31 +244,36 @@ class AdapterConversionSpec(ApiModel):
     source: AdapterEndpoint
     """The adapter to convert."""
     target: AdapterEndpoint
-    """Where to write it and in which format."""
+    """Where to write it and in which format: the other format than the source's, in a directory neither inside the source nor holding it."""
     model: ConversionModel
     """The base model."""
     merged: bool = False
     """Write the base model with the adapter merged (target format must be hf-peft)."""
-    image: Annotated[str, Field(min_length=1, max_length=512)] | None = None
-    """Trainer image running the conversion; must be in the operator's allowlist."""
-    service_account_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] | None = None
-    """Service account of the conversion pod (bucket access)."""
+    image: Image | None = None
+    """Trainer image running the conversion; its registry and repository must be in the operator's `allowedImages`."""
+    service_account_name: ObjectName | None = None
+    """Service account of the conversion pod (bucket access); must be one of the operator's `allowedServiceAccounts`."""
     resources: Resources | None = None
     """CPU/memory requests and limits of the conversion pod."""
 
     @field_validator("target")
     @classmethod
     def _target_writable(cls, v: AdapterEndpoint) -> AdapterEndpoint:
-        import re
-
         if not re.match(OUTPUT_URI_PATTERN, v.uri):
             raise ValueError("target.uri must be a local path or gs:// URI (hf:// is read-only)")
         return v
 
     @model_validator(mode="after")
-    def _merged_is_hf(self) -> AdapterConversionSpec:
+    def _a_conversion(self) -> AdapterConversionSpec:
         if self.merged and self.target.format != "hf-peft":
             raise ValueError("merged: true writes an HF model, so target.format must be hf-peft")
+        if self.source.format == self.target.format:
+            raise ValueError(f"source.format and target.format are both {self.source.format}: nothing to convert; "
+                             "set target.format to the other format")
+        source, target = as_directory(self.source.uri), as_directory(self.target.uri)
+        if target.startswith(source) or source.startswith(target):
+            raise ValueError(f"target.uri {self.target.uri!r} and source.uri {self.source.uri!r} overlap: the conversion "
+                             "replaces its target directory whole; write to a directory outside the source")
         return self
 
 

@@ -20,8 +20,8 @@ from pydantic import BaseModel
 
 from lora_operator.api import (
     GROUP,
-    RESERVED_ENV_NAMES,
-    RESERVED_ENV_PREFIXES,
+    RESERVED_ENV_MESSAGE,
+    RESERVED_ENV_PATTERN,
     VERSION,
     AdapterConversionSpec,
     AdapterConversionStatus,
@@ -175,15 +175,7 @@ def _lora_finetune_rules(spec: Schema) -> None:
         _rule("!self.uri.startsWith('hf://')", "spec.output.uri: hf:// is read-only; write to gs://BUCKET/... or a path", ".uri")
     ]
     p["env"]["items"]["x-kubernetes-validations"] = [
-        _rule(
-            " && ".join(
-                [f"!self.name.startsWith('{prefix}')" for prefix in RESERVED_ENV_PREFIXES]
-                + [f"self.name != '{name}'" for name in RESERVED_ENV_NAMES]
-            ),
-            f"spec.env[].name: {', '.join(RESERVED_ENV_NAMES)} and names starting with {', '.join(RESERVED_ENV_PREFIXES)} "
-            "are reserved for the operator (the hub token comes from hfTokenSecretRef); rename the variable",
-            ".name",
-        )
+        _rule(f"!self.name.matches('{RESERVED_ENV_PATTERN}')", f"spec.env[].name is reserved: {RESERVED_ENV_MESSAGE}", ".name")
     ]
     p["env"]["x-kubernetes-list-type"] = "map"
     p["env"]["x-kubernetes-list-map-keys"] = ["name"]
@@ -198,6 +190,11 @@ def _lora_finetune_rules(spec: Schema) -> None:
     _freeze_fields(p, {"suspend"}, "spec")
 
 
+def _as_directory(uri: str) -> str:
+    """CEL for `api.as_directory`: the URI with one trailing `/`."""
+    return f"({uri}.endsWith('/') ? {uri} : {uri} + '/')"
+
+
 def _adapter_conversion_rules(spec: Schema) -> None:
     p = spec["properties"]
     p["target"]["x-kubernetes-validations"] = [
@@ -208,6 +205,18 @@ def _adapter_conversion_rules(spec: Schema) -> None:
             "!has(self.merged) || !self.merged || self.target.format == 'hf-peft'",
             "spec.merged writes an HF model: set spec.target.format to hf-peft or drop merged",
             ".merged",
+        ),
+        _rule(
+            "self.source.format != self.target.format",
+            "spec.target.format is spec.source.format: nothing to convert; set spec.target.format to the other format",
+            ".target.format",
+        ),
+        _rule(
+            f"!{_as_directory('self.target.uri')}.startsWith({_as_directory('self.source.uri')}) && "
+            f"!{_as_directory('self.source.uri')}.startsWith({_as_directory('self.target.uri')})",
+            "spec.target.uri overlaps spec.source.uri (the same directory, or one inside the other): the conversion "
+            "replaces its target directory whole; write to a directory outside the source",
+            ".target.uri",
         ),
         _rule(
             "self == oldSelf",

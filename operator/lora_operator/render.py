@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from lora_operator.api import API_VERSION, AdapterConversionSpec, LoraFinetuneSpec, Resources
+from lora_operator.policy import Problems, adapter_conversion_problems, image_problems, lora_finetune_problems
 from lora_operator.settings import OperatorSettings, SettingsError, load_settings
 from lora_operator.tpu import TPU_RESOURCE, CATALOG, SliceShape, TopologyError, slice_shape
 from lora_trainer import exit_codes
@@ -129,16 +130,18 @@ def check_jobset_name(name: str) -> None:
         )
 
 
+def refuse(problems: Problems) -> None:
+    """Raise one InvalidSpec naming every problem (the first one's field is the exception's)."""
+    if problems:
+        (field, message), *more = problems
+        raise InvalidSpec(field, message + "".join(f"; {f}: {m}" for f, m in more))
+
+
 def resolve_image(image: str | None, settings: OperatorSettings) -> str:
     """The image to run; a CR image outside the allowlist is refused."""
     if image is None:
         return settings.trainer_image
-    if not settings.image_allowed(image):
-        raise InvalidSpec(
-            "spec.image",
-            f"image {image!r} is not allowed; use an image under one of {settings.allowed_images} "
-            "(or ask the platform admin to extend allowedImages)",
-        )
+    refuse(image_problems("spec.image", image, settings))
     return image
 
 
@@ -408,6 +411,7 @@ def render_export_jobs(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorS
 def render_conversion_job(owner: Owner, spec: AdapterConversionSpec, settings: OperatorSettings) -> Manifest:
     """`lora-trainer convert` as a Job."""
     check_name(owner.name)
+    refuse(adapter_conversion_problems(spec, settings))
     image = resolve_image(spec.image, settings)
     command = [
         "lora-trainer", "convert",
@@ -429,6 +433,7 @@ def render_lora_finetune(body: dict[str, Any], settings: OperatorSettings) -> li
     """Everything a LoraFinetune creates up front: the ConfigMap, then the JobSet."""
     owner = Owner.from_body(body)
     spec = parse_spec(LoraFinetuneSpec, body)
+    refuse(lora_finetune_problems(spec, settings))
     return [render_config_map(owner, spec), render_jobset(owner, spec, settings)]
 
 

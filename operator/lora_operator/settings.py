@@ -2,8 +2,9 @@
 
 The Helm chart renders this file from its values, so the field names below are the contract
 with the chart (camelCase on the wire). Everything a platform admin controls lives here; a
-CR can never widen it (images outside `allowedImages` are rejected, `hostNetwork` is only
-rendered when `allowHostNetwork` is true).
+CR can never widen it: images outside `allowedImages`, service accounts, priority classes and
+token Secrets outside their allowlists, and local paths outside `allowedLocalPaths` are refused
+(`lora_operator.policy`), and `hostNetwork` is only rendered when `allowHostNetwork` is true.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
-from lora_operator.api import DNS_LABEL, DNS_SUBDOMAIN, Resources, TpuType
+from lora_operator.api import DNS_LABEL, DNS_SUBDOMAIN, Image, ObjectName, Resources, TpuType
+from lora_operator.images import BadImage, ImageRule, image_allowed
 from lora_trainer.config import ApiModel, validation_problems
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/lora-operator/lora-trainer:0.1.0"
@@ -24,10 +26,27 @@ DEFAULT_IMAGE_REPOSITORY = "ghcr.io/lora-operator/lora-trainer"
 class OperatorSettings(ApiModel):
     """What the platform admin sets for every CR the operator runs."""
 
-    trainer_image: Annotated[str, Field(min_length=1, max_length=512)] = DEFAULT_TRAINER_IMAGE
+    trainer_image: Image = DEFAULT_TRAINER_IMAGE
     """Image used when a CR leaves `spec.image` empty; must itself match `allowedImages`."""
     allowed_images: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=lambda: [DEFAULT_IMAGE_REPOSITORY])
-    """Image prefixes a CR may use in `spec.image`; anything else is rejected with a Failed condition."""
+    """Images a CR may name in `spec.image`, matched by registry and repository as a registry parses
+    them (never as a string prefix): `REGISTRY/REPOSITORY` (any tag or digest of that repository),
+    `REGISTRY/PATH/` (every repository under PATH; `REGISTRY/` for a whole registry) or
+    `REGISTRY/REPOSITORY@sha256:DIGEST` (that one image). Anything else is refused with a Failed condition."""
+    require_image_digest: bool = False
+    """Refuse images not pinned by digest (`...@sha256:...`), the default `trainerImage` included."""
+    allowed_service_accounts: list[ObjectName] = Field(default_factory=lambda: ["lora-trainer"])
+    """Service accounts a CR may name in `spec.serviceAccountName` (their Workload Identity reaches the
+    buckets); a CR that names none runs as its namespace's `default` account."""
+    allowed_priority_classes: list[ObjectName] = Field(default_factory=list)
+    """PriorityClasses a CR may name in `spec.priorityClassName`; empty: none (the cluster default applies)."""
+    allowed_token_secrets: list[ObjectName] = Field(default_factory=lambda: ["hf-token"])
+    """Secrets (in the CR's own namespace) a CR may name in `spec.hfTokenSecretRef`; any other Secret
+    of the namespace stays out of the trainer pods."""
+    allowed_local_paths: list[Annotated[str, Field(pattern=r"^/", min_length=1)]] = Field(default_factory=list)
+    """Directories of the trainer pods (e.g. a volume the platform mounts) under which a CR's URIs may
+    be local paths; empty: every URI must be `gs://` (or `hf://` for models). Relative paths and `..`
+    are always refused in the cluster."""
     default_tpu_type: TpuType = "v5p"
     """TPU type assumed when a CR omits `spec.tpu.type`."""
     default_queue_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=63)] | None = None  # a label value
@@ -50,9 +69,27 @@ class OperatorSettings(ApiModel):
     )
     """Requests/limits of the export and conversion Jobs (CPU pods: they read a checkpoint and write safetensors)."""
 
+    @field_validator("allowed_images")
+    @classmethod
+    def _rules(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            try:
+                ImageRule.parse(entry)
+            except BadImage as e:
+                raise ValueError(str(e)) from e
+        return entries
+
+    def image_rules(self) -> list[ImageRule]:
+        """`allowedImages` parsed (each entry was checked when the settings were read)."""
+        return [ImageRule.parse(entry) for entry in self.allowed_images]
+
+    def image_refusal(self, image: str) -> str | None:
+        """None when a pod may run `image`; otherwise why not (malformed, not pinned, not listed)."""
+        return image_allowed(image, self.image_rules(), require_digest=self.require_image_digest)
+
     def image_allowed(self, image: str) -> bool:
-        """True when `image` starts with one of the allowed prefixes."""
-        return any(image.startswith(prefix) for prefix in self.allowed_images)
+        """True when `image` matches `allowedImages` (and carries a digest if that is required)."""
+        return self.image_refusal(image) is None
 
 
 class SettingsError(ValueError):
@@ -77,9 +114,8 @@ def load_settings(path: str | Path | None) -> OperatorSettings:
     except ValidationError as e:
         problems = validation_problems(e)
         raise SettingsError(f"{p}: invalid operator settings: {problems}") from e
-    if not settings.image_allowed(settings.trainer_image):
+    if (refusal := settings.image_refusal(settings.trainer_image)) is not None:
         raise SettingsError(
-            f"{p}: trainerImage {settings.trainer_image!r} is not covered by allowedImages {settings.allowed_images}; "
-            "add its repository to allowedImages"
+            f"{p}: trainerImage: {refusal} {settings.allowed_images}; add its repository to allowedImages"
         )
     return settings

@@ -9,6 +9,7 @@ rule evaluated with a real CEL interpreter (cel-python), transition rules only o
 from __future__ import annotations
 
 import copy
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -105,12 +106,24 @@ def _cel_errors(schema: dict[str, Any], new: Any, old: Any, path: str) -> list[s
     return errors
 
 
+def _re2_pattern(validator: Any, pattern: str, instance: Any, schema: dict[str, Any]) -> Any:
+    """`pattern` as the API server's Go regexp reads it: `$` ends the text (Python's also matches
+    before a final newline, so `gs://b/x\\n` would pass here and fail there)."""
+    if isinstance(instance, str):
+        python = pattern[:-1] + r"\Z" if pattern.endswith("$") and not pattern.endswith(r"\$") else pattern
+        if not re.search(python, instance):
+            yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_Validator = jsonschema.validators.extend(jsonschema.Draft4Validator, {"pattern": _re2_pattern})
+
+
 def validate(plural: str, obj: dict[str, Any], old: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
     """Default and validate `obj`; return (defaulted object, error messages naming their fields)."""
     schema = open_api_schema(plural)
     obj, _dropped = prune(schema, copy.deepcopy(obj))
     obj = apply_defaults(schema, obj)
-    validator = jsonschema.Draft4Validator(_strip_k8s(schema))
+    validator = _Validator(_strip_k8s(schema))
     errors = [
         f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
         for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))

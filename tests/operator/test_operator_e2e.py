@@ -9,9 +9,8 @@ from typing import Any
 
 import kmock
 import pytest
-from k8s_harness import ApiServerEmulator, Harness, Rejected
+from k8s_harness import ApiServerEmulator, Harness, Rejected, harness_settings
 
-from lora_operator.settings import OperatorSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -155,7 +154,7 @@ async def test_watch_namespaces_confine_the_operator():
     """With `watchNamespaces` (the chart then grants namespaced Roles only) a run elsewhere is left
     alone: no status, no JobSet; a run in a watched namespace is handled as usual."""
     async with Harness() as h:
-        await h.start_operator(OperatorSettings(progress_poll_seconds=0.5, watch_namespaces=["team-a"]))
+        await h.start_operator(harness_settings(watch_namespaces=["team-a"]))
         outside, inside = lft("run-out"), lft("run-in")
         inside["metadata"]["namespace"] = "team-a"
         await h.create(outside)
@@ -419,13 +418,13 @@ async def test_bad_crs_fail_with_the_field_and_others_keep_running(h, caplog):
     assert "spec.hfTokenSecretRef" in msg and "kubectl -n default create secret generic hf-token" in msg
     assert await h.get("JobSet", "no-secret") is None
     # The operator keeps serving the others; a CR whose Secret exists runs, the token only by reference.
-    await h.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-ok"},
+    await h.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token"},
                     "stringData": {"token": secret_value}, "data": {"token": "aGZfVE9QU0VDUkVUX3ZhbHVlXzEyMw=="}})
-    await h.create(lft("good", hfTokenSecretRef={"name": "hf-ok"}))
+    await h.create(lft("good", hfTokenSecretRef={"name": "hf-token"}))
     await h.wait_for_status("LoraFinetune", "good", _phase("Pending"))
     js = await h.wait_for(lambda: h.get("JobSet", "good"), what="JobSet")
     env = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-ok", "key": "token"}}} in env
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} in env
     everything = json.dumps([o for kind in ("LoraFinetune", "JobSet", "ConfigMap", "Event", "Job") for o in await h.list(kind)])
     assert secret_value not in everything and "aGZfVE9QU0VDUkVU" not in everything
     assert "Handler 'reconcile' succeeded" in caplog.text and secret_value not in caplog.text

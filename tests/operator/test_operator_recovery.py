@@ -11,12 +11,11 @@ from typing import Any
 
 import kmock
 import pytest
-from k8s_harness import ApiServerEmulator, Harness, _now
+from k8s_harness import ApiServerEmulator, Harness, _now, harness_settings
 from test_operator_e2e import _cond, _has_event, _phase, adc, lft
 
 from lora_operator import handlers
 from lora_operator import status as st
-from lora_operator.settings import OperatorSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -72,8 +71,7 @@ async def test_settings_narrowed_under_an_admitted_run_leave_it_training():
     event; its export, a new pod with that image, is refused with the field named."""
     image = "us-docker.pkg.dev/team/lora-trainer:custom"
     async with Harness() as h:
-        await h.start_operator(OperatorSettings(progress_poll_seconds=0.5,
-                                                allowed_images=["ghcr.io/lora-operator/lora-trainer", "us-docker.pkg.dev/team/"]))
+        await h.start_operator(harness_settings(allowed_images=["ghcr.io/lora-operator/lora-trainer", "us-docker.pkg.dev/team/"]))
         await h.create(lft("run-s", output="gs://runs-bucket/run-s", image=image))
         await h.jobset_running("run-s")
         await h.wait_for_status("LoraFinetune", "run-s", _phase("Running"))
@@ -168,7 +166,7 @@ async def test_the_last_progress_record_reaches_the_status(tmp_path: Path):
 
     progress(50)
     async with Harness() as h:
-        await h.start_operator(OperatorSettings(progress_poll_seconds=60))  # one poll, as the run starts
+        await h.start_operator(harness_settings(progress_poll_seconds=60))  # one poll, as the run starts
         await h.create(lft("run-p", output=str(out)))
         await h.jobset_running("run-p")
         await h.wait_for_status("LoraFinetune", "run-p", lambda s: s.get("step") == 50)

@@ -30,6 +30,9 @@ from lora_trainer.config import TrainConfig
 
 REFERENCE = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference"
 SETTINGS = OperatorSettings()
+#: A platform whose admin allows the service account, priority class and token Secret the tests name.
+PLATFORM = OperatorSettings(allowed_service_accounts=["trainer-ksa"], allowed_priority_classes=["high"],
+                            allowed_token_secrets=["hf-secret"])
 
 
 def _to_draft4(node: Any) -> Any:
@@ -137,7 +140,7 @@ def test_jobset_platform_details():
     _, js = render_lora_finetune(
         body(queueName="team-q", priorityClassName="high", serviceAccountName="trainer-ksa",
              hfTokenSecretRef={"name": "hf-secret", "key": "tok"}, env=[{"name": "FOO", "value": "bar"}]),
-        SETTINGS,
+        PLATFORM,
     )
     meta = js["metadata"]
     assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "team-q"
@@ -178,7 +181,7 @@ def test_host_network_follows_settings_and_defaults_apply():
 
 def test_config_map_is_the_train_config_and_holds_no_secret():
     b = body(hfTokenSecretRef={"name": "hf-secret"}, lora={"rank": 4})
-    cm, _ = render_lora_finetune(b, SETTINGS)
+    cm, _ = render_lora_finetune(b, PLATFORM)
     cfg = json.loads(cm["data"]["config.json"])
     assert TrainConfig.model_validate(cfg) == LoraFinetuneSpec.model_validate(b["spec"]).train_config()
     assert cfg["lora"]["rank"] == 4
@@ -224,7 +227,7 @@ def test_export_jobs():
 
 def test_conversion_job():
     spec = {
-        "source": {"uri": "gs://bkt1/adapter", "format": "hf-peft"},
+        "source": {"uri": "gs://bkt1/adapter", "format": "orbax"},
         "target": {"uri": "gs://bkt1/merged", "format": "hf-peft"},
         "model": {"source": "gs://bkt1/base", "family": "qwen3"},
         "merged": True,
@@ -232,7 +235,7 @@ def test_conversion_job():
     b = {"kind": "AdapterConversion", "metadata": {"name": "c1", "namespace": "ml", "uid": "u2"}, "spec": spec}
     job = render_conversion_job(Owner.from_body(b), AdapterConversionSpec.model_validate(spec), SETTINGS)
     assert job["spec"]["template"]["spec"]["containers"][0]["command"] == [
-        "lora-trainer", "convert", "--from", "hf-peft", "--to", "hf-peft", "--source", "gs://bkt1/adapter",
+        "lora-trainer", "convert", "--from", "orbax", "--to", "hf-peft", "--source", "gs://bkt1/adapter",
         "--out", "gs://bkt1/merged", "--base", "gs://bkt1/base", "--family", "qwen3", "--merged",
     ]
     assert job["metadata"]["name"] == "c1-convert"

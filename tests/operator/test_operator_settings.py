@@ -45,6 +45,12 @@ def test_yaml_file_with_camel_case_fields(tmp_path):
         ("trainerImag: x\n", "trainerImag"),
         ("watchNamespaces: [Bad_NS]\n", "watchNamespaces"),
         ("- a\n- b\n", "mapping"),
+        # Allowlist entries are parsed: a tag pins nothing, a bare name has no registry.
+        ("allowedImages: [ghcr.io/lora-operator/lora-trainer:0.1.0]\n", "allowedImages.*names a tag"),
+        ("allowedImages: [trainer]\n", "allowedImages.*names no registry"),
+        ("requireImageDigest: true\n", "trainerImage.*no digest"),
+        ("allowedLocalPaths: [data]\n", "allowedLocalPaths"),
+        ("allowedServiceAccounts: [Not_A_Name]\n", "allowedServiceAccounts"),
     ],
 )
 def test_bad_settings_name_the_file_and_field(tmp_path, text, needle):

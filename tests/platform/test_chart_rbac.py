@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 
 import k8s_harness
-from k8s_harness import Harness
+from k8s_harness import Harness, harness_settings
 from lora_operator.render import render_lora_finetune
-from lora_operator.settings import OperatorSettings
 from test_chart import CUSTOM_VALUES, render
 
 pytestmark = pytest.mark.timeout(180)
@@ -58,7 +57,7 @@ async def _lifecycle(h: Harness, tmp_path: Path) -> None:
     body = await h.create(_lft("rbac-run", output))
     # As after an operator restart: the children already exist, so the operator's create gets a
     # 409 and reads them back to adopt them (the `get` rights on ConfigMaps and JobSets).
-    for child in render_lora_finetune(body, OperatorSettings()):
+    for child in render_lora_finetune(body, harness_settings()):
         await h.create(child)
     await h.start_operator()
     await h.wait_for_status("LoraFinetune", "rbac-run", lambda s: s.get("phase") == "Pending")

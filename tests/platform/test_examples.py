@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import k8s_schemas
-from rendered import EXAMPLES, MANIFESTS, render
+from rendered import EXAMPLES, LOCAL_DEMO, MANIFESTS, render, render_command
 from lora_operator.api import LoraFinetuneSpec
 from lora_operator.tpu import CATALOG
 from lora_trainer.config import TrainConfig
@@ -47,6 +47,16 @@ def test_example_renders_to_valid_objects(path: Path) -> None:
         shipped = TrainConfig.model_validate(json.loads(cm["data"]["config.json"]))
         assert shipped == LoraFinetuneSpec.model_validate(source["spec"]).train_config()
         assert by_kind(objs, "Job"), "the post-training export Job is part of the rendered children"
+
+
+def test_the_local_demo_is_refused_in_a_cluster() -> None:
+    """Its relative paths name nothing in a trainer pod: the cluster render refuses them, naming each
+    field (run-local runs it; tests/platform/test_local_e2e.py)."""
+    rc, out, err = render_command(LOCAL_DEMO)
+    assert rc == 2 and out == ""
+    for field in ("spec.model.source", "spec.dataset.train", "spec.dataset.eval", "spec.output.uri"):
+        assert f"{field}: " in err, (field, err)
+    assert "gs://BUCKET/PATH" in err
 
 
 def _slice(objs: list[dict[str, Any]]) -> tuple[int, dict[str, Any], dict[str, Any]]:

@@ -24,14 +24,33 @@ from pydantic.alias_generators import to_camel
 
 from lora_trainer.errors import UserError
 
-#: Inputs: `gs://bucket/path` (bucket 3-63 chars), `hf://org/name`, `file:///abs` or a local path:
-#: absolute, or relative with no `:` in its first segment (so `s3://x` is no local path). Local
-#: paths may hold spaces and colons (a checkout under "My Projects" failed `make demo`).
-#: RE2-compatible, since the API server evaluates the same pattern.
-_LOCAL = r"file:///[^\n]*|/[^\n]*|[^:/\n]+(/[^\n]*)?"
-URI_PATTERN = rf"^(gs://[a-z0-9][-a-z0-9_.]{{1,61}}[a-z0-9](/[^\s]*)?|hf://[^/\s]+/[^\s]+|{_LOCAL})$"
+#: One path segment of a gs:// or hf:// URI: anything but `.`, `..` and the empty segment (`//`),
+#: which a client resolves or collapses so that the object read or written is not the one named.
+_SEGMENT = r"([^/\s.][^/\s]*|\.[^/\s.][^/\s]*|\.\.[^/\s]+)"
+_GCS = rf"gs://[a-z0-9][-a-z0-9_.]{{1,61}}[a-z0-9](/{_SEGMENT})*/?"
+_HF_ID = r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+_HF = rf"hf://{_HF_ID}/{_HF_ID}(@[A-Za-z0-9][-A-Za-z0-9_.]*)?(/{_SEGMENT})*/?"
+#: Local paths: `file:///abs`, absolute, or relative with no `:` in the first segment (so `s3://x`
+#: is no local path); spaces and colons allowed (a checkout under "My Projects" failed `make demo`),
+#: control characters not. Where a local path is allowed at all is the operator's decision (its
+#: `allowedLocalPaths` setting; run-local takes any).
+_LOCAL = r"file:///[^\x00-\x1f\x7f]*|/[^\x00-\x1f\x7f]*|[^:/\x00-\x1f\x7f]+(/[^\x00-\x1f\x7f]*)?"
+#: Inputs: `gs://BUCKET/PATH` (bucket 3-63 chars), `hf://ORG/NAME[@REVISION][/FILE]` or a local
+#: path. RE2-compatible, since the API server evaluates the same pattern.
+URI_PATTERN = rf"^({_GCS}|{_HF}|{_LOCAL})$"
 #: Outputs: as inputs but without `hf://`, which is read-only.
-OUTPUT_URI_PATTERN = rf"^(gs://[a-z0-9][-a-z0-9_.]{{1,61}}[a-z0-9](/[^\s]*)?|{_LOCAL})$"
+OUTPUT_URI_PATTERN = rf"^({_GCS}|{_LOCAL})$"
+#: Longest URI: a GCS object name is at most 1024 bytes, plus the bucket and the scheme.
+MAX_URI = 1100
+#: Longest name of a field in a dataset row, and of a `targetModules` regex.
+MAX_FIELD_NAME, MAX_REGEX = 256, 1024
+#: Upper bounds of the counts (steps, batch sizes, intervals): far above any real run, low enough
+#: that no count overflows or makes the trainer allocate for ever.
+MAX_STEPS, MAX_BATCH, MAX_DEVICES = 10_000_000, 65_536, 65_536
+
+InputUri = Annotated[str, Field(pattern=URI_PATTERN, min_length=1, max_length=MAX_URI)]
+OutputUri = Annotated[str, Field(pattern=OUTPUT_URI_PATTERN, min_length=1, max_length=MAX_URI)]
+FieldName = Annotated[str, Field(min_length=1, max_length=MAX_FIELD_NAME)]
 
 Family = Literal["llama3", "qwen3", "qwen2", "gemma3"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -71,7 +90,7 @@ class ApiModel(BaseModel):
 
 
 class ModelSpec(ApiModel):
-    source: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)]
+    source: InputUri
     """Base model: an HF safetensors checkpoint directory (local path, `gs://bucket/dir` or `hf://org/name`)."""
     family: Family | None = None
     """Model family; detected from the checkpoint's `config.json` (`model_type`) when omitted."""
@@ -80,19 +99,19 @@ class ModelSpec(ApiModel):
 
 
 class DatasetSpec(ApiModel):
-    train: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)]
+    train: InputUri
     """Training data: a JSONL (`.jsonl`) or Parquet (`.parquet`) file, local or `gs://`."""
-    eval: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)] | None = None
+    eval: InputUri | None = None
     """Optional evaluation data in the same format as `train`: evaluated every `training.evalEvery` steps and at the end."""
     format: DatasetFormat = "prompt-completion"
     """`text` (loss on every token), `prompt-completion` (loss on the completion) or `chat` (loss on assistant turns)."""
-    text_field: str = "text"
+    text_field: FieldName = "text"
     """Field holding the text for format `text`."""
-    prompt_field: str = "prompt"
+    prompt_field: FieldName = "prompt"
     """Field holding the prompt for format `prompt-completion`."""
-    completion_field: str = "completion"
+    completion_field: FieldName = "completion"
     """Field holding the completion for format `prompt-completion`."""
-    messages_field: str = "messages"
+    messages_field: FieldName = "messages"
     """Field holding the list of `{role, content}` messages for format `chat`."""
     max_seq_len: Annotated[int, Field(ge=8, le=131072)] = 1024
     """Examples are truncated to this many tokens (the count of truncated examples is logged)."""
@@ -117,15 +136,15 @@ class QuantizationSpec(ApiModel):
 class LoraSpec(ApiModel):
     rank: Annotated[int, Field(ge=1, le=1024)] = 16
     """LoRA rank r: the inner dimension of the low-rank update."""
-    alpha: Annotated[float, Field(gt=0)] = 32.0
+    alpha: Annotated[float, Field(gt=0, le=1e6)] = 32.0
     """LoRA alpha: the update is scaled by alpha / rank, as in HF PEFT."""
     dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     """Dropout on the LoRA input during training."""
-    target_modules: Annotated[str, Field(min_length=1)] = "auto"
+    target_modules: Annotated[str, Field(min_length=1, max_length=MAX_REGEX)] = "auto"
     """`auto` (the model family's default: all attention and MLP projections) or a regex full-matched against module paths: `layers/0/attn/{q,k,v,o}_proj` and `layers/0/mlp/{gate,up,down}_proj` (Llama, Qwen), or `layers/0/attn/q_einsum`, `attn/kv_einsum/{k,v}_proj`, `attn/attn_vec_einsum` and the same MLP names (Gemma 3). The trainer logs the modules it adapts."""
     quantization: QuantizationSpec | None = None
     """QLoRA: quantize the targeted base weights."""
-    restore_from: Annotated[str, Field(pattern=URI_PATTERN, min_length=1)] | None = None
+    restore_from: InputUri | None = None
     """Start from an existing adapter: an Orbax LoRA checkpoint directory or an HF PEFT adapter directory."""
 
     @field_validator("target_modules")
@@ -140,36 +159,36 @@ class LoraSpec(ApiModel):
 
 
 class MeshSpec(ApiModel):
-    fsdp: Annotated[int, Field(ge=1)] | None = None
+    fsdp: Annotated[int, Field(ge=1, le=MAX_DEVICES)] | None = None
     """Devices along the fsdp axis; default: all devices not used by `tp`."""
-    tp: Annotated[int, Field(ge=1)] = 1
+    tp: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 1
     """Devices along the tensor-parallel axis."""
 
 
 class TrainingSpec(ApiModel):
-    steps: Annotated[int, Field(ge=1)] = 1000
+    steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 1000
     """Optimizer steps to train."""
-    global_batch_size: Annotated[int, Field(ge=1)] = 8
+    global_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] = 8
     """Sequences per optimizer step, across all hosts (examples, or packed sequences with `dataset.packing`); must be divisible by gradientAccumulation. The step's loss is the mean over all its loss tokens."""
-    gradient_accumulation: Annotated[int, Field(ge=1)] = 1
+    gradient_accumulation: Annotated[int, Field(ge=1, le=MAX_BATCH)] = 1
     """Micro-batches per optimizer step (less memory): the same training as one batch, every loss token weighted alike."""
-    learning_rate: Annotated[float, Field(gt=0)] = 2e-4
+    learning_rate: Annotated[float, Field(gt=0, le=10)] = 2e-4
     """Peak learning rate of AdamW."""
-    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    warmup_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] = 0
     """Linear warmup from 0 to learningRate."""
     schedule: Schedule = "cosine"
     """Decay after warmup: cosine, linear (both to 0 at `steps`) or constant."""
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    weight_decay: Annotated[float, Field(ge=0, le=10)] = 0.0
     """AdamW weight decay on the LoRA parameters."""
-    seed: Annotated[int, Field(ge=0)] = 0
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
     """Seed for LoRA initialisation, dropout and data shuffling."""
-    eval_every: Annotated[int, Field(ge=1)] | None = None
+    eval_every: Annotated[int, Field(ge=1, le=MAX_STEPS)] | None = None
     """Evaluate on `dataset.eval` every N steps (requires dataset.eval); without it, only at the end."""
-    checkpoint_every: Annotated[int, Field(ge=1)] = 100
+    checkpoint_every: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 100
     """Save an Orbax checkpoint every N steps (and at the end, and on SIGTERM)."""
-    checkpoints_to_keep: Annotated[int, Field(ge=1)] = 3
+    checkpoints_to_keep: Annotated[int, Field(ge=1, le=1000)] = 3
     """Most recent checkpoints kept under output.uri/checkpoints."""
-    log_every: Annotated[int, Field(ge=1)] = 1
+    log_every: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 1
     """Report step, loss, tokens/s and ETA every N steps."""
     mesh: MeshSpec = Field(default_factory=MeshSpec)
     """Device mesh; (data, fsdp, tp) with data = devices / (fsdp * tp)."""
@@ -192,7 +211,7 @@ class ExportSpec(ApiModel):
 
 
 class OutputSpec(ApiModel):
-    uri: Annotated[str, Field(pattern=OUTPUT_URI_PATTERN, min_length=1)]
+    uri: OutputUri
     """Where checkpoints (uri/checkpoints/<step>), metrics and the exported adapter (uri/hf-adapter) go."""
     export: ExportSpec = Field(default_factory=ExportSpec)
     """What the post-training export produces."""
@@ -244,7 +263,8 @@ def _problem(err: Any) -> str:
     pattern = err.get("ctx", {}).get("pattern")
     if err["type"] == "string_pattern_mismatch" and pattern in (URI_PATTERN, OUTPUT_URI_PATTERN):
         allowed = "a local path, gs://BUCKET/PATH or file:///PATH" + (" or hf://ORG/NAME" if pattern == URI_PATTERN else "")
-        return f"{err['input']!r} is not a supported location; use {allowed}"
+        return (f"{err['input']!r} is not a supported location; use {allowed}, with no '.' or '..' segment and no '//' "
+                "inside a gs:// or hf:// path")
     if err["type"] == "extra_forbidden" and err["loc"]:
         return f"unknown field{did_you_mean(str(err['loc'][-1]), field_names()) or '; remove it or fix its spelling'}"
     names = err["input"] if err["type"] == "string_type" and isinstance(err["input"], list) else None

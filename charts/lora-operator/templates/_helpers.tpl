@@ -50,6 +50,11 @@ values map onto it one to one; keys left empty are omitted so the operator's def
 {{- $s := dict
   "trainerImage" .Values.trainer.image
   "allowedImages" .Values.trainer.allowedImages
+  "requireImageDigest" .Values.trainer.requireImageDigest
+  "allowedServiceAccounts" .Values.trainer.allowedServiceAccounts
+  "allowedPriorityClasses" .Values.trainer.allowedPriorityClasses
+  "allowedTokenSecrets" .Values.trainer.allowedTokenSecrets
+  "allowedLocalPaths" .Values.trainer.allowedLocalPaths
   "defaultTpuType" .Values.defaultTpuType
   "allowHostNetwork" .Values.allowHostNetwork
   "watchNamespaces" .Values.watchNamespaces
