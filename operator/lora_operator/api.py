@@ -72,6 +72,8 @@ _ENV_NAME_DOC = (
 )
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+#: A Compute Engine resource name (a reservation's), as `gcloud compute reservations create` takes it.
+GCE_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 #: Longest resource quantity (`8000m`, `64Gi`): far longer than any real one.
@@ -84,6 +86,43 @@ Quantity = Annotated[str, Field(pattern=QUANTITY, max_length=MAX_QUANTITY)]
 ObjectName = Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)]
 
 
+CapacityType = Literal["onDemand", "spot", "reservation", "flexStart"]
+#: The longest run Dynamic Workload Scheduler (flex-start) provisions nodes for: 7 days.
+MAX_FLEX_START_SECONDS = 7 * 24 * 3600
+
+
+class ReservationSpec(ApiModel):
+    name: Annotated[str, Field(pattern=GCE_NAME, max_length=63)]
+    """Name of the Compute Engine reservation (in the cluster's project) whose TPU VMs the node pool consumes, as `gcloud compute reservations list` shows it."""
+
+
+class FlexStartSpec(ApiModel):
+    max_run_duration_seconds: Annotated[int, Field(ge=1, le=MAX_FLEX_START_SECONDS)] = MAX_FLEX_START_SECONDS
+    """How long the provisioned slice may run, in seconds (at most 604800, 7 days, the Dynamic Workload Scheduler's limit); GKE reclaims the nodes after it. Default: 7 days."""
+
+
+class CapacitySpec(ApiModel):
+    """Which kind of GKE TPU capacity the slice runs on (as XPK's `--on-demand`, `--spot`, `--reservation`, `--flex`)."""
+
+    type: CapacityType = "onDemand"
+    """`onDemand`, `spot` (preemptible Spot VMs), `reservation` (a specific reservation, see `reservation`) or `flexStart` (Dynamic Workload Scheduler queued provisioning through Kueue; needs a queue). Default: onDemand, no capacity selector."""
+    reservation: ReservationSpec | None = None
+    """The reservation to consume; required when `type` is reservation, not allowed otherwise."""
+    flex_start: FlexStartSpec | None = None
+    """Flex-start settings; only when `type` is flexStart (default: the longest run duration)."""
+
+    @model_validator(mode="after")
+    def _settings_match_type(self) -> CapacitySpec:
+        if (self.type == "reservation") != (self.reservation is not None):
+            raise ValueError(
+                "spec.tpu.capacity.reservation names the reservation to use: set it (with type: reservation) "
+                "exactly when type is reservation"
+            )
+        if self.flex_start is not None and self.type != "flexStart":
+            raise ValueError("spec.tpu.capacity.flexStart only applies to type: flexStart; drop it or set the type")
+        return self
+
+
 class TpuSpec(ApiModel):
     type: TpuType | None = None
     """TPU generation: v4, v5e, v5p, v6e or tpu7x (Ironwood). Default: the operator's `defaultTpuType` (v5p unless the admin changed it)."""
@@ -91,6 +130,8 @@ class TpuSpec(ApiModel):
     """Slice topology as GKE names it, e.g. `2x2x2` (v4, v5p, tpu7x) or `4x4` (v5e, v6e); must be offered by GKE for the type. Default: the type's smallest slice."""
     slices: Annotated[int, Field(ge=1, le=64)] = 1
     """Number of slices (multislice over DCN); each slice is one replica of the JobSet's replicatedJob."""
+    capacity: CapacitySpec = Field(default_factory=CapacitySpec)
+    """Capacity kind of the TPU nodes: on-demand, spot, a reservation or flex-start."""
 
     @model_validator(mode="after")
     def _topology_offered(self) -> TpuSpec:
@@ -152,7 +193,7 @@ class LoraFinetuneSpec(TrainConfig):
     priority_class_name: ObjectName | None = None
     """PriorityClass of the trainer pods; must be one of the operator's `allowedPriorityClasses`."""
     max_restarts: Annotated[int, Field(ge=0, le=1000)] = 3
-    """JobSet restarts allowed after preemption or retriable faults before the run fails."""
+    """JobSet restarts allowed after retriable faults (exit 42, crashes killed by a signal) before the run fails. Preemptions (a pod's DisruptionTarget condition, or the trainer's exit 43 after saving on SIGTERM) restart the run without counting."""
     suspend: bool = False
     """Suspend the JobSet (pods are deleted; the run resumes from its last checkpoint when unsuspended). The only field that may change after creation."""
     hf_token_secret_ref: SecretKeyRef | None = None
@@ -192,7 +233,9 @@ class LoraFinetuneStatus(ApiModel):
     job_set_name: str | None = None
     """Name of the JobSet running the trainer."""
     restarts: int | None = None
-    """JobSet restarts so far (preemptions and retriable faults)."""
+    """JobSet restarts so far that count toward spec.maxRestarts (retriable faults)."""
+    preemptions: int | None = None
+    """JobSet restarts so far after a preemption (not counted toward spec.maxRestarts)."""
     step: int | None = None
     """Last optimizer step reported by the trainer."""
     total_steps: int | None = None
@@ -203,6 +246,8 @@ class LoraFinetuneStatus(ApiModel):
     """Last training loss (a string so that kubectl prints it verbatim)."""
     tokens_per_second: str | None = None
     """Training throughput over the last log interval."""
+    mfu: str | None = None
+    """Model FLOPs utilisation over the last log interval (0-1), when the trainer knows the chip's peak."""
     eta: str | None = None
     """Estimated time to finish training, e.g. `1h02m`."""
     last_checkpoint: str | None = None
@@ -301,6 +346,7 @@ __all__ = [
     "AdapterConversionSpec",
     "AdapterConversionStatus",
     "AdapterEndpoint",
+    "CapacitySpec",
     "Condition",
     "DatasetSpec",
     "LoraFinetuneSpec",

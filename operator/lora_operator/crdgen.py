@@ -155,6 +155,12 @@ def _lora_finetune_rules(spec: Schema) -> None:
         )
         for t in CATALOG.values()
     ]
+    tpu["properties"]["capacity"]["x-kubernetes-validations"] = [
+        _rule("(self.type == 'reservation') == has(self.reservation)",
+              "spec.tpu.capacity.reservation names the reservation to use: set it exactly when type is reservation", ".reservation"),
+        _rule("!has(self.flexStart) || self.type == 'flexStart'",
+              "spec.tpu.capacity.flexStart only applies to type: flexStart; drop it or set the type", ".flexStart"),
+    ]
     lora = p["lora"]
     lora["x-kubernetes-validations"] = [_rule("self.rank > 0", "spec.lora.rank must be > 0 (e.g. 8 or 16)", ".rank")]
     lora["properties"]["quantization"]["x-kubernetes-validations"] = [
@@ -296,10 +302,12 @@ def lora_finetune_crd() -> Schema:
         _col("TPU", ".status.tpu", description="type, topology and slices, e.g. v5p 2x2x2 x2"),
         _col("Step", ".status.progress", description="step/totalSteps"),
         _col("Loss", ".status.loss"),
-        _col("Restarts", ".status.restarts", "integer"),
+        _col("Restarts", ".status.restarts", "integer", description="restarts counted toward spec.maxRestarts"),
+        _col("Preemptions", ".status.preemptions", "integer", description="restarts after a preemption (not counted)"),
         _col("Age", ".metadata.creationTimestamp", "date"),
         _col("Adapter URI", ".status.adapterUri", priority=1),
         _col("Queue", ".spec.queueName", priority=1),
+        _col("Capacity", ".spec.tpu.capacity.type", priority=1),
     ]
     return _crd("LoraFinetune", "lorafinetunes", "lft", spec, _status_schema(LoraFinetuneStatus), columns)
 

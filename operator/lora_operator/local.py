@@ -441,7 +441,7 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
     if "loss" not in last:  # a rerun of a finished run reports nothing new: show the recorded end
         last = next((r for r in reversed(records) if "loss" in r and "totalSteps" in r), {})
 
-    status = {"phase": "Succeeded", "tpu": tpu, "restarts": 0, **progress_status(last, cfg.training.steps)}
+    status = {"phase": "Succeeded", "tpu": tpu, "restarts": 0, "preemptions": 0, **progress_status(last, cfg.training.steps)}
     status.update(step=result.final_step, progress=f"{result.final_step}/{cfg.training.steps}")
     obj = {"metadata": {"name": name, "creationTimestamp": created.isoformat()}, "spec": spec.to_wire(), "status": status}
     paths = {"adapter": uris.get("adapter"), "merged model": uris.get("merged"), "checkpoints": str(result.checkpoint_root),

@@ -20,7 +20,7 @@ from typing import Any
 
 from lora_operator.crdgen import adapter_conversion_crd, lora_finetune_crd
 from lora_operator.generated import write_or_check
-from lora_operator.render import pod_failure_policy
+from lora_operator.failure import DISRUPTION_TARGET, FAIL, RESTART_UNCOUNTED, exit_code_rule
 from lora_trainer import exit_codes
 from lora_trainer.cli import _parser as trainer_parser
 
@@ -195,16 +195,19 @@ def _documented_constants(module: Any) -> list[tuple[str, int, str]]:
 
 
 def exit_codes_reference() -> str:
-    """The exit-code table, with what the JobSet does after each (from the rendered podFailurePolicy)."""
-    rule = next(r for r in pod_failure_policy()["rules"] if r["action"] == "FailJob")
-    restarting = set(rule["onExitCodes"]["values"]) if rule["onExitCodes"]["operator"] == "NotIn" else set()
+    """The exit-code table, with what the JobSet does after each (from the rendered failure policies)."""
+    outcomes = {
+        None: "JobSet restart (counts toward `spec.maxRestarts`); training resumes from the last checkpoint",
+        RESTART_UNCOUNTED: "JobSet restart (`RestartJobSetAndIgnoreMaxRestarts`: not counted toward `spec.maxRestarts`, "
+                           "shown as a preemption); training resumes from the last checkpoint",
+        FAIL: "the Job fails at once (`FailJob`), the JobSet fails (`FailJobSet`), no restart",
+    }
 
     def action(code: int) -> str:
         if code == exit_codes.OK:
             return "the Job completes"
-        if code in restarting:
-            return "JobSet restart (counts toward `spec.maxRestarts`); training resumes from the last checkpoint"
-        return "the Job fails at once (`FailJob`), the JobSet fails (`FailJobSet`), no restart"
+        rule = exit_code_rule(code)
+        return outcomes[rule.action if rule else None]
 
     signals = list(range(exit_codes.FIRST_SIGNAL_EXIT, exit_codes.MAX_EXIT + 1))
     out = [
@@ -220,10 +223,12 @@ def exit_codes_reference() -> str:
             continue
         out.append(f"| {value} | `{name}` | {_cell(comment)} | {action(value)} |")
     out.append(
-        f"| {signals[0]}-{signals[-1]} | signal deaths (128 + n, e.g. 137 = SIGKILL after preemption, 143 = SIGTERM) | "
+        f"| {signals[0]}-{signals[-1]} | signal deaths (128 + n, e.g. 137 = SIGKILL, as after the kernel's out-of-memory kill, 143 = SIGTERM) | "
         f"the process was killed, not failed | {action(signals[0]) if all(action(c) == action(signals[0]) for c in signals) else 'mixed'} |"
     )
     out.append(f"| any other | unexpected | a crash outside the error table (a bug: please report it with the pod log) | {action(1)} |")
+    out.append(f"| any | pod with the `{DISRUPTION_TARGET}` condition | preempted, evicted (drain, node maintenance) or its node shut down, "
+               f"whatever the exit code | {outcomes[RESTART_UNCOUNTED]} |")
     out.append("")
     return HEADER + "\n".join(out)
 

@@ -18,10 +18,12 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from lora_operator.api import API_VERSION, AdapterConversionSpec, LoraFinetuneSpec, Resources
+from lora_operator.failure import TRAINER_CONTAINER, jobset_failure_policy, pod_failure_policy
+from lora_operator.overlay import overlay_pod_template
 from lora_operator.policy import Problems, adapter_conversion_problems, image_problems, lora_finetune_problems
+from lora_operator.scheduling import capacity_placement, topology_annotations
 from lora_operator.settings import OperatorSettings, SettingsError, load_settings
 from lora_operator.tpu import TPU_RESOURCE, CATALOG, SliceShape, TopologyError, slice_shape
-from lora_trainer import exit_codes
 from lora_trainer.config import dump_train_config, validation_problems
 
 Manifest = dict[str, Any]
@@ -29,7 +31,6 @@ M = TypeVar("M", bound=BaseModel)
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "slice"
-TRAINER_CONTAINER = "trainer"
 COORDINATOR_PORT = 8476
 CONFIG_DIR = "/etc/lora-operator"
 CONFIG_KEY = "config.json"
@@ -233,22 +234,6 @@ def distributed_env(jobset: str, shape: SliceShape, slices: int) -> list[dict[st
     return env
 
 
-def pod_failure_policy() -> dict[str, Any]:
-    """Fail the Job (and so the JobSet) at once unless the trainer died of something a restart can fix."""
-    return {
-        "rules": [
-            {
-                "action": "FailJob",
-                "onExitCodes": {
-                    "containerName": TRAINER_CONTAINER,
-                    "operator": "NotIn",
-                    "values": exit_codes.retriable_exit_codes(),
-                },
-            }
-        ]
-    }
-
-
 def render_config_map(owner: Owner, spec: LoraFinetuneSpec) -> Manifest:
     """The trainer's half of the spec as `config.json` (no secrets: the HF token is only a reference)."""
     return {
@@ -267,9 +252,17 @@ def render_jobset(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettin
     names = ChildNames.of(owner.name)
     slices = spec.tpu.slices
     queue = spec.queue_name or settings.default_queue_name
+    placement = capacity_placement(spec.tpu.capacity)
+    if placement.needs_queue and not queue:
+        raise InvalidSpec(
+            "spec.queueName",
+            f"capacity type {spec.tpu.capacity.type} gets its nodes through Kueue's ProvisioningRequest (Dynamic Workload "
+            "Scheduler): set spec.queueName to a LocalQueue whose ClusterQueue has the provisioning admission check "
+            "(or ask the platform admin for a defaultQueueName)",
+        )
     extra = {QUEUE_LABEL: queue} if queue else {}
     meta = _metadata(owner, names.jobset, "trainer", **extra)
-    meta["annotations"] = {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
+    meta["annotations"] = {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool", **placement.jobset_annotations}
     pod_labels = _labels(owner, "trainer")
 
     container = {
@@ -291,8 +284,8 @@ def render_jobset(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettin
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
-        "nodeSelector": shape.node_selector,
-        "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "nodeSelector": {**shape.node_selector, **placement.node_selector},
+        "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}, *placement.tolerations],
         "securityContext": _pod_security(),
         "containers": [container],
         "volumes": [
@@ -308,13 +301,16 @@ def render_jobset(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettin
     if spec.priority_class_name:
         pod_spec["priorityClassName"] = spec.priority_class_name
 
+    pod_meta: dict[str, Any] = {"labels": pod_labels}
+    if tas := topology_annotations(settings.topology_aware_scheduling):
+        pod_meta["annotations"] = tas
     job_spec = {
         "parallelism": shape.hosts,
         "completions": shape.hosts,
         "completionMode": "Indexed",
         "backoffLimit": 0,
         "podFailurePolicy": pod_failure_policy(),
-        "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+        "template": overlay_pod_template({"metadata": pod_meta, "spec": pod_spec}, TRAINER_CONTAINER, settings.pod_template_overlay),
     }
     return {
         "apiVersion": JOBSET_API,
@@ -324,11 +320,7 @@ def render_jobset(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettin
             "suspend": spec.suspend,
             "ttlSecondsAfterFinished": settings.job_ttl_seconds_after_finished,
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-            "failurePolicy": {
-                "maxRestarts": spec.max_restarts,
-                "restartStrategy": "BlockingRecreate",
-                "rules": [{"name": "FailOnUserError", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}],
-            },
+            "failurePolicy": jobset_failure_policy(spec.max_restarts),
             "replicatedJobs": [
                 {"name": REPLICATED_JOB, "replicas": slices, "template": {"metadata": {"labels": pod_labels}, "spec": job_spec}}
             ],

@@ -17,6 +17,8 @@ from pydantic import Field, ValidationError, field_validator
 
 from lora_operator.api import DNS_LABEL, DNS_SUBDOMAIN, Image, ObjectName, Resources, TpuType
 from lora_operator.images import BadImage, ImageRule, image_allowed
+from lora_operator.overlay import PodTemplateOverlay
+from lora_operator.scheduling import TopologyAwareScheduling
 from lora_trainer.config import ApiModel, validation_problems
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/lora-operator/lora-trainer:0.1.0"
@@ -68,6 +70,10 @@ class OperatorSettings(ApiModel):
         )
     )
     """Requests/limits of the export and conversion Jobs (CPU pods: they read a checkpoint and write safetensors)."""
+    topology_aware_scheduling: TopologyAwareScheduling | None = None
+    """Kueue topology-aware scheduling of every run's pods (`mode` required or preferred, `level` a node label); none when empty."""
+    pod_template_overlay: PodTemplateOverlay = Field(default_factory=PodTemplateOverlay)
+    """Node selectors, tolerations, volumes, volume mounts, annotations and labels added to every trainer pod (never to a CR's say)."""
 
     @field_validator("allowed_images")
     @classmethod

@@ -76,8 +76,9 @@ def test_crd_metadata_columns_and_names():
     assert v["subresources"] == {"status": {}}
     cols = {c["name"]: c for c in v["additionalPrinterColumns"]}
     assert [c["name"] for c in v["additionalPrinterColumns"]] == [
-        "Phase", "TPU", "Step", "Loss", "Restarts", "Age", "Adapter URI", "Queue"
+        "Phase", "TPU", "Step", "Loss", "Restarts", "Preemptions", "Age", "Adapter URI", "Queue", "Capacity"
     ]
+    assert cols["Restarts"]["jsonPath"] == ".status.restarts" and cols["Preemptions"]["jsonPath"] == ".status.preemptions"
     assert cols["TPU"]["jsonPath"] == ".status.tpu" and cols["Step"]["jsonPath"] == ".status.progress"
     assert cols["Adapter URI"]["priority"] == 1 and cols["Queue"]["priority"] == 1 and "priority" not in cols["Phase"]
     assert lft["spec"]["names"]["shortNames"] == ["lft"] and lft["spec"]["names"]["categories"] == ["lora"]
@@ -157,6 +158,13 @@ BAD_LFT: list[tuple[dict[str, Any], str]] = [
     ({"serviceAccountName": "UPPER"}, "spec.serviceAccountName"),
     ({"resources": {"limits": {"cpu": "lots"}}}, "spec.resources.limits.cpu"),
     ({"hfTokenSecretRef": {"name": "bad name"}}, "spec.hfTokenSecretRef.name"),
+    ({"tpu": {"capacity": {"type": "preemptible"}}}, "spec.tpu.capacity.type"),
+    ({"tpu": {"capacity": {"type": "reservation"}}}, "spec.tpu.capacity.reservation"),
+    ({"tpu": {"capacity": {"type": "spot", "reservation": {"name": "tpu-res"}}}}, "spec.tpu.capacity.reservation"),
+    ({"tpu": {"capacity": {"type": "reservation", "reservation": {"name": "Tpu_Res"}}}}, "spec.tpu.capacity.reservation.name"),
+    ({"tpu": {"capacity": {"type": "spot", "flexStart": {}}}}, "spec.tpu.capacity.flexStart"),
+    ({"tpu": {"capacity": {"type": "flexStart", "flexStart": {"maxRunDurationSeconds": 604801}}}},
+     "spec.tpu.capacity.flexStart.maxRunDurationSeconds"),
 ]
 
 
@@ -198,10 +206,14 @@ def test_fields_outside_the_schema_never_reach_a_pod():
         "resources": {"limits": {"cpu": "4", "google.com/tpu": "8"}},
         "env": [{"name": "X", "value": "1", "valueFrom": {"secretKeyRef": {"name": "other", "key": "k"}}}],
         "securityContext": {"privileged": True},
+        # The admin's pod overlay is an operator setting; a CR cannot add node selectors or volumes.
+        "podTemplateOverlay": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]},
+        "tpu": {"nodeSelector": {"cloud.google.com/gke-nodepool": "someone-elses"}},
     }
     cr = _cr("LoraFinetune", _merge(GOOD_LFT, smuggled))
     assert sorted(prune(open_api_schema("lorafinetunes"), cr)[1]) == [
-        "spec.env[0].valueFrom", "spec.resources.limits.google.com/tpu", "spec.securityContext",
+        "spec.env[0].valueFrom", "spec.podTemplateOverlay", "spec.resources.limits.google.com/tpu", "spec.securityContext",
+        "spec.tpu.nodeSelector",
     ]
     obj, errors = validate("lorafinetunes", cr)
     assert errors == []

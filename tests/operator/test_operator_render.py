@@ -12,6 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from jobset_controller import PodEnd, after_pod_failure, job_failure, jobset_action
 
 from lora_operator.cli import main as cli_main
 from lora_operator.render import (
@@ -123,17 +124,37 @@ def test_single_chip_topology_has_one_chip_per_host():
     assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == "1"
 
 
-def test_failure_policies_come_from_the_exit_code_table():
+@pytest.mark.parametrize(
+    ("pod", "action"),
+    [
+        (PodEnd(exit_codes.PREEMPTED), "RestartJobSetAndIgnoreMaxRestarts"),  # saved on SIGTERM
+        (PodEnd(137, disrupted=True), "RestartJobSetAndIgnoreMaxRestarts"),  # preempted, killed
+        (PodEnd(exit_codes.USER_ERROR, disrupted=True), "RestartJobSetAndIgnoreMaxRestarts"),  # the disruption decides
+        (PodEnd(exit_codes.USER_ERROR), "FailJobSet"),
+        (PodEnd(1), "FailJobSet"),  # a crash outside the table
+        (PodEnd(exit_codes.RETRIABLE), "RestartJobSet"),  # a storage outage counts
+        (PodEnd(137), "RestartJobSet"),  # killed without a disruption (e.g. the kernel's OOM kill)
+        (PodEnd(exit_codes.INTERRUPTED), "RestartJobSet"),
+    ],
+)
+def test_failure_policies_restart_preemptions_without_counting(pod: PodEnd, action: str):
+    """What the Job and JobSet controllers do with each way a trainer pod can end, from the rendered policies."""
     _, js = render_lora_finetune(body(maxRestarts=7), SETTINGS)
     fp = js["spec"]["failurePolicy"]
     assert fp["maxRestarts"] == 7 and fp["restartStrategy"] == "BlockingRecreate"
-    assert fp["rules"] == [{"name": "FailOnUserError", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]
-    (rule,) = js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"]
-    assert rule["action"] == "FailJob" and rule["onExitCodes"]["operator"] == "NotIn"
-    assert rule["onExitCodes"]["containerName"] == "trainer"
-    values = rule["onExitCodes"]["values"]
-    assert values == exit_codes.retriable_exit_codes()
-    assert exit_codes.USER_ERROR not in values and exit_codes.RETRIABLE in values and 137 in values
+    job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert jobset_action(fp, *job_failure(job, pod)) == action
+
+
+def test_only_counted_restarts_use_up_max_restarts():
+    _, js = render_lora_finetune(body(maxRestarts=1), SETTINGS)
+    for _ in range(5):
+        js["status"] = after_pod_failure(js, PodEnd(137, disrupted=True))
+    assert js["status"] == {"restarts": 5, "restartsCountTowardsMax": 0}
+    js["status"] = after_pod_failure(js, PodEnd(exit_codes.RETRIABLE))
+    assert js["status"] == {"restarts": 6, "restartsCountTowardsMax": 1}
+    js["status"] = after_pod_failure(js, PodEnd(exit_codes.RETRIABLE))
+    assert js["status"]["conditions"][0]["reason"] == "ReachedMaxRestarts"
 
 
 def test_jobset_platform_details():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,9 @@ async def test_operator_process_serves_liveness_and_creates_jobsets(tmp_path):
         log = tmp_path / "operator.log"
         proc = subprocess.Popen(
             [sys.executable, "-m", "lora_operator.cli", "run", "--liveness", f"http://127.0.0.1:{port}/healthz"],
-            env={"KUBECONFIG": str(kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+            # PYTHONPATH passes through: the operator under test is the checkout's, not an installed one.
+            env={"KUBECONFIG": str(kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                 **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}},
             stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=ROOT,
         )
         try:

@@ -1,6 +1,7 @@
 """Operator settings: the contract with the Helm chart (camelCase names, defaults, clear errors)."""
 
 import pytest
+import yaml
 
 from lora_operator.settings import SettingsError, load_settings
 
@@ -65,3 +66,43 @@ def test_missing_file_says_so(tmp_path):
     with pytest.raises(SettingsError, match="cannot read"):
         load_settings(tmp_path / "nope.yaml")
 
+
+
+@pytest.mark.parametrize(
+    ("overlay", "needles"),
+    [
+        ({"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}, ["podTemplateOverlay.volumes[0].hostPath", "node's filesystem"]),
+        ({"securityContext": {"privileged": True}},
+         ["podTemplateOverlay.securityContext is not allowed", "podTemplateOverlay.securityContext.privileged"]),
+        ({"hostPID": True, "hostIPC": True}, ["podTemplateOverlay.hostPID", "podTemplateOverlay.hostIPC"]),
+        ({"capabilities": {"add": ["SYS_ADMIN"]}}, ["podTemplateOverlay.capabilities"]),
+        ({"runAsUser": 0}, ["podTemplateOverlay.runAsUser", "never be root"]),
+        ({"volumeMounts": [{"name": "v", "mountPath": "/x", "mountPropagation": "Bidirectional"}],
+          "volumes": [{"name": "v", "emptyDir": {}}]}, ["volumeMounts.0.mountPropagation"]),
+        ({"annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}}, ["confinement"]),
+        ({"labels": {"jobset.sigs.k8s.io/jobset-name": "other"}}, ["labels.jobset.sigs.k8s.io/jobset-name is reserved"]),
+        ({"nodeSelector": {"cloud.google.com/gke-spot": "true"}}, ["nodeSelector.cloud.google.com/gke-spot is set by the operator"]),
+        ({"nodeSelector": {"cloud.google.com/gke-tpu-topology": "8x8"}}, ["gke-tpu-topology is set by the operator"]),
+        ({"volumes": [{"name": "dshm", "emptyDir": {}}]}, ["the trainer pod's own volume"]),
+        ({"volumes": [{"name": "two", "emptyDir": {}, "csi": {"driver": "x"}}]}, ["exactly one source"]),
+        ({"volumeMounts": [{"name": "ghost", "mountPath": "/g"}]}, ["volumes ['ghost']"]),
+        ({"containers": [{"name": "sidecar"}]}, ["podTemplateOverlay.containers"]),
+    ],
+)
+def test_the_pod_overlay_refuses_what_would_weaken_the_pod(tmp_path, overlay, needles):
+    """Every refused field is named with its path, and the settings do not load."""
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump({"podTemplateOverlay": overlay}))
+    with pytest.raises(SettingsError) as e:
+        load_settings(p)
+    for needle in needles:
+        assert needle in str(e.value), str(e.value)
+
+
+def test_topology_aware_scheduling_settings(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("topologyAwareScheduling: {level: cloud.google.com/gce-topology-block}\n")
+    assert load_settings(p).topology_aware_scheduling.mode == "preferred"
+    p.write_text("topologyAwareScheduling: {mode: strict, level: 'not a label'}\n")
+    with pytest.raises(SettingsError, match="topologyAwareScheduling.mode.*topologyAwareScheduling.level"):
+        load_settings(p)

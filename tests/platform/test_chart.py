@@ -39,6 +39,14 @@ CUSTOM_VALUES: dict[str, Any] = {
     "priorityClassName": "platform-critical",
     "nodeSelector": {"cloud.google.com/gke-nodepool": "system"},
     "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "system", "effect": "NoSchedule"}],
+    "topologyAwareScheduling": {"mode": "required", "level": "cloud.google.com/gce-topology-block"},
+    "podTemplateOverlay": {
+        "nodeSelector": {"cloud.google.com/gke-nodepool": "tpu-v6e"},
+        "volumes": [{"name": "gcs-cache", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "volumeAttributes": {"bucketName": "acme"}}}],
+        "volumeMounts": [{"name": "gcs-cache", "mountPath": "/gcs", "readOnly": True}],
+        "annotations": {"gke-gcsfuse/volumes": "true"},
+        "labels": {"team": "ml"},
+    },
 }
 
 VALUE_SETS = {"default": {}, "custom": CUSTOM_VALUES}
@@ -163,6 +171,8 @@ def test_settings_configmap_is_what_the_operator_parses(rendered: tuple[str, lis
     assert settings.log_level == values["logLevel"]
     assert settings.progress_poll_seconds == values["progressPollSeconds"]
     assert settings.job_ttl_seconds_after_finished == values["jobTtlSecondsAfterFinished"]
+    assert settings.topology_aware_scheduling.to_wire() == values["topologyAwareScheduling"]
+    assert settings.pod_template_overlay.to_wire() == {"tolerations": [], **values["podTemplateOverlay"]}
 
 
 def test_service_account_carries_the_workload_identity_annotation() -> None:
@@ -211,6 +221,9 @@ def test_rbac_has_no_wildcards(rendered: tuple[str, list[dict[str, Any]]]) -> No
         ({"trainer": {"image": "x", "allowedImages": []}}, "allowedImages"),
         ({"serviceAccount": {"gcpServiceAccount": "not-an-email"}}, "gcpServiceAccount"),
         ({"resources": {"request": {"cpu": "1"}}}, "request"),
+        ({"topologyAwareScheduling": {"mode": "required"}}, "topologyAwareScheduling"),
+        ({"podTemplateOverlay": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}, "podTemplateOverlay"),
+        ({"podTemplateOverlay": {"securityContext": {"privileged": True}}}, "securityContext"),
     ],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any], needle: str) -> None:

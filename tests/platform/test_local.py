@@ -158,11 +158,12 @@ def test_status_table_has_the_kubectl_get_columns() -> None:
     obj = {
         "metadata": {"name": "tiny-llama-demo", "creationTimestamp": created.isoformat()},
         "spec": {},
-        "status": {"phase": "Succeeded", "tpu": "local cpu x1", "progress": "300/300", "loss": "0.8123", "restarts": 0},
+        "status": {"phase": "Succeeded", "tpu": "local cpu x1", "progress": "300/300", "loss": "0.8123", "restarts": 0,
+                   "preemptions": 0},
     }
     header, row = local.status_table(obj, created + timedelta(seconds=151)).splitlines()
-    assert header.split() == ["NAME", "PHASE", "TPU", "STEP", "LOSS", "RESTARTS", "AGE"]
-    assert row.split() == ["tiny-llama-demo", "Succeeded", "local", "cpu", "x1", "300/300", "0.8123", "0", "2m31s"]
+    assert header.split() == ["NAME", "PHASE", "TPU", "STEP", "LOSS", "RESTARTS", "PREEMPTIONS", "AGE"]
+    assert row.split() == ["tiny-llama-demo", "Succeeded", "local", "cpu", "x1", "300/300", "0.8123", "0", "0", "2m31s"]
     # Columns line up as kubectl's do: each header starts where its value starts.
     assert row.index("Succeeded") == header.index("PHASE") and row.index("2m31s") == header.index("AGE")
 

@@ -75,7 +75,7 @@ def test_run_local_trains_exports_and_reports(tiny_model: Path, tmp_path: Path) 
     assert progress[0].startswith("step 1/6  loss ") and progress[-1].startswith("step 6/6  loss ")
     assert not [line for line in stdout if line.startswith("{")], "the trainer's JSON lines are replaced by the progress view"
     header = next(i for i, line in enumerate(stdout) if line.startswith("NAME "))
-    assert stdout[header].split() == ["NAME", "PHASE", "TPU", "STEP", "LOSS", "RESTARTS", "AGE"]
+    assert stdout[header].split() == ["NAME", "PHASE", "TPU", "STEP", "LOSS", "RESTARTS", "PREEMPTIONS", "AGE"]
     row = stdout[header + 1].split()
     assert row[:2] == ["tiny-e2e", "Succeeded"] and "6/6" in row
     assert "adapter:      out/hf-adapter" in stdout  # relative to the working directory

@@ -68,11 +68,11 @@ def test_sigterm_then_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     else:
         assert _run_to_end(write_config(tmp_path / "ref.json", ref), tmp_path / "ref.log") == exit_codes.OK
 
-    # 1. SIGTERM: checkpoint at the next step boundary, wait for the commit, exit with the retriable code.
+    # 1. SIGTERM: checkpoint at the next step boundary, wait for the commit, exit PREEMPTED (restarted, not counted).
     log1 = tmp_path / "run1.log"
     proc = start_trainer(run_cfg, log1, **ENV)
     _signal_when(proc, log1, signal.SIGTERM, min_step=3)
-    assert proc.wait(timeout=120) == exit_codes.RETRIABLE, log1.read_text()[-3000:]
+    assert proc.wait(timeout=120) == exit_codes.PREEMPTED, log1.read_text()[-3000:]
     stopped = checkpoint.latest_committed_step(root)
     assert stopped is not None and 3 <= stopped < STEPS
     assert progress_lines(log1)[-1]["step"] == stopped  # saved exactly where it stopped

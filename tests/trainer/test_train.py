@@ -15,7 +15,7 @@ from trainer_fixtures import arithmetic_rows, parse, tiny_llama, train_config, w
 
 from lora_trainer import checkpoint, data, schedule
 from lora_trainer.config import DatasetSpec, LoraSpec, TrainingSpec
-from lora_trainer.errors import RetriableError, UserError
+from lora_trainer.errors import Preempted, UserError
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
 from lora_trainer.loss import lm_loss, model_inputs
 from lora_trainer.models import load_model
@@ -237,7 +237,7 @@ def test_sigterm_saves_before_an_eval_pass(tmp_path):
         if record["step"] == 3 and record["lastCheckpoint"] is None:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    with pytest.raises(RetriableError, match="checkpoint step 3 is saved"):
+    with pytest.raises(Preempted, match="checkpoint step 3 is saved"):
         run_training(parse(cfg), on_progress=preempt)
     assert checkpoint.committed_steps(str(out / "checkpoints")) == [3]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

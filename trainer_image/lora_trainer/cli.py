@@ -21,7 +21,10 @@ EXIT_GRACE_S = 30.0
 #: Python's exit status after an uncaught exception (a crash outside the exit-code table).
 UNCAUGHT_EXIT = 1
 #: Ends every retriable error's paragraph, so a reader of the log knows no action is needed.
-RETRIABLE_NOTE = f" (retriable, exit {exit_codes.RETRIABLE}: the JobSet restarts the run, which resumes from its last committed checkpoint)"
+RETRIABLE_NOTES = {
+    code: f" (retriable, exit {code}: the JobSet restarts the run, which resumes from its last committed checkpoint)"
+    for code in (exit_codes.RETRIABLE, exit_codes.PREEMPTED)
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -131,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return _dispatch(args)
     except TrainerError as e:
-        note = RETRIABLE_NOTE if e.exit_code == exit_codes.RETRIABLE else ""
+        note = RETRIABLE_NOTES.get(e.exit_code, "")
         print(f"lora-trainer {args.command}: error: {e}{note}", file=sys.stderr)
         return e.exit_code
     except MemoryError:

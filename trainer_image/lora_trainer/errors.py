@@ -20,9 +20,16 @@ class UserError(TrainerError):
 
 
 class RetriableError(TrainerError):
-    """A transient fault (storage outage, preemption): the JobSet restarts and the run resumes."""
+    """A transient fault (storage outage): the JobSet restarts and the run resumes."""
 
     exit_code = exit_codes.RETRIABLE
+
+
+class Preempted(TrainerError):
+    """SIGTERM (preemption, node maintenance), after the checkpoint was committed: the JobSet restarts
+    the run without counting it toward maxRestarts, and the run resumes."""
+
+    exit_code = exit_codes.PREEMPTED
 
 
 class Interrupted(TrainerError):

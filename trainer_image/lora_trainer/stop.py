@@ -2,8 +2,8 @@
 (`lora-trainer train` and `lora-operator run-local` handle it; in a pod none arrives).
 
 A signal only sets a flag; the training loop checks it between steps and saves a checkpoint.
-After SIGTERM it exits with the retriable code, so the JobSet restarts the run and it resumes
-from that step; after Ctrl-C with 130, and the same command resumes it.
+After SIGTERM it exits PREEMPTED (43), so the JobSet restarts the run, without counting it toward
+maxRestarts, and it resumes from that step; after Ctrl-C with 130, and the same command resumes it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lora_trainer.errors import Interrupted, RetriableError, TrainerError
+from lora_trainer.errors import Interrupted, Preempted, TrainerError
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ class StopRequest:
                 return Interrupted("interrupted before the first step; nothing was saved")
             return Interrupted(f"interrupted: checkpoint step {step} is saved in {root}; run the same command again to resume from there")
         if not step:
-            return RetriableError("received SIGTERM before the first step; no checkpoint to save, exiting")
-        return RetriableError(
+            return Preempted("received SIGTERM before the first step; no checkpoint to save, exiting")
+        return Preempted(
             f"received SIGTERM: checkpoint step {step} is saved in {root}; exiting so the JobSet "
             "restarts and the run resumes from there"
         )

@@ -195,8 +195,8 @@ def _flops_per_token(model: nnx.Module, hf_config: dict[str, Any], seq_len: int)
 def run_training(cfg: TrainConfig, *, on_progress: ProgressCallback | None = None, interruptible: bool = False) -> TrainResult:
     """Train (or resume) the LoRA adapter `cfg` describes; returns when `training.steps` are done.
 
-    Raises UserError for bad input and RetriableError after a SIGTERM (checkpoint committed)
-    or a storage outage; the CLI maps them to exit codes 3 and 42. With `interruptible` (the
+    Raises UserError for bad input, Preempted after a SIGTERM (checkpoint committed) and
+    RetriableError after a storage outage; the CLI maps them to exit codes 3, 43 and 42. With `interruptible` (the
     `lora-trainer train` CLI and the local mode), Ctrl-C from a terminal is handled as SIGTERM is
     and raises Interrupted (130).
     """

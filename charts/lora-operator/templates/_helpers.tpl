@@ -66,6 +66,12 @@ values map onto it one to one; keys left empty are omitted so the operator's def
 {{- with .Values.defaultQueueName }}
 {{- $_ := set $s "defaultQueueName" . }}
 {{- end }}
+{{- with .Values.topologyAwareScheduling }}
+{{- $_ := set $s "topologyAwareScheduling" . }}
+{{- end }}
+{{- with .Values.podTemplateOverlay }}
+{{- $_ := set $s "podTemplateOverlay" . }}
+{{- end }}
 {{- toYaml $s }}
 {{- end }}
 
