@@ -61,7 +61,7 @@ async def test_operator_process_serves_liveness_and_creates_jobsets(tmp_path):
             await h.create({
                 "apiVersion": "lora-operator.dev/v1alpha1", "kind": "LoraFinetune", "metadata": {"name": "proc"},
                 "spec": {"model": {"source": "gs://models-bucket/m"}, "dataset": {"train": "gs://data-bucket/t.jsonl"},
-                         "output": {"uri": "/nonexistent/proc"}},
+                         "output": {"uri": "gs://runs-bucket/proc"}},
             })
             js = await h.wait_for(lambda: h.get("JobSet", "proc"), timeout=30, what="JobSet from the process")
             assert js["metadata"]["labels"]["lora-operator.dev/lorafinetune"] == "proc"
