@@ -139,6 +139,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator, _DirectDispatch):
 
     async def _handle(self, request: kmock.Request) -> Any:
         _SERVING.set(request)
+        if request.resource is not None and request.action == kmock.action.UPDATE and isinstance(request.data, dict):
+            self._check_precondition(request)
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             version = str(next(_RESOURCE_VERSIONS))
             if isinstance(request.data, list):  # JSON patch
@@ -156,6 +158,18 @@ class ApiServerEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             return await super()._handle(request)
         except jsonpatch.JsonPatchTestFailed as e:
             raise kmock.KubernetesError(status=422, reason="Invalid", message=f"the object has been modified: {e}") from e
+
+    def _check_precondition(self, request: kmock.Request) -> None:
+        """A merge patch carrying `metadata.resourceVersion` applies only to that version (409
+        otherwise), as the API server's optimistic concurrency does."""
+        expected = (request.data.get("metadata") or {}).get("resourceVersion")
+        if expected is None or request.name is None:
+            return
+        stored = self.objects._objects.get((request.resource, request.namespace, request.name))
+        if stored is not None and not stored.deleted and stored.get("metadata", {}).get("resourceVersion") != expected:
+            raise kmock.KubernetesError(status=409, reason="Conflict", message=(
+                f"Operation cannot be fulfilled on {request.resource.plural} \"{request.name}\": the object has been modified; "
+                "please apply your changes to the latest version and try again"))
 
 
 def harness_settings(**changes: Any) -> OperatorSettings:

@@ -208,29 +208,62 @@ class LoraFinetuneSpec(TrainConfig):
         return TrainConfig.model_validate(self.model_dump(include=set(TrainConfig.model_fields)))
 
 
+#: Longest condition message (metav1.Condition's limit); the operator cuts longer ones.
+MAX_MESSAGE = 32768
+#: Longest short status string (times, printer-column values) and URI in a status.
+MAX_SHORT, MAX_STATUS_URI = 64, 2048
+ShortText = Annotated[str, Field(max_length=MAX_SHORT)]
+StatusUri = Annotated[str, Field(max_length=MAX_STATUS_URI)]
+ChildName = Annotated[str, Field(max_length=253)]
+
+
 class Condition(ApiModel):
-    type: str
+    type: ShortText
     """Condition type: Running, Suspended, Exporting, Succeeded, Failed (one True per phase) or SecretsResolved."""
     status: Literal["True", "False", "Unknown"]
     """Status of the condition."""
-    reason: str
+    reason: Annotated[str, Field(max_length=128)]
     """CamelCase reason."""
-    message: str = ""
+    message: Annotated[str, Field(max_length=MAX_MESSAGE)] = ""
     """What happened and, for failures, what to change."""
-    last_transition_time: str
+    last_transition_time: ShortText
     """When the status last changed (RFC 3339)."""
     observed_generation: int | None = None
     """The .metadata.generation the condition was set for."""
 
 
+Conditions = Annotated[list[Condition], Field(max_length=16)]
+
+
+class ChildRecord(ApiModel):
+    kind: Literal["JobSet", "Job"]
+    """Kind of the child."""
+    name: ChildName
+    """Its name."""
+    uid: Annotated[str, Field(max_length=128)]
+    """The uid of the one the operator last saw: another uid under the same name means it was deleted and created again."""
+
+
+class RunRecord(ApiModel):
+    """What the operator has done to a resource's children, written to the status before it acts, so
+    that a restarted operator (or one that lost an answer) finishes the job instead of guessing."""
+
+    suspend_requested: bool | None = None
+    """spec.suspend the operator is applying to the JobSet (written before it patches the JobSet)."""
+    suspend_applied: bool | None = None
+    """spec.suspend the JobSet was last created or patched with (written after)."""
+    children: Annotated[list[ChildRecord], Field(max_length=8)] = Field(default_factory=list)
+    """The children (JobSet, Jobs) the operator created or adopted."""
+
+
 class LoraFinetuneStatus(ApiModel):
     phase: Phase | None = None
     """Pending, Running, Suspended, Exporting, Succeeded or Failed."""
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: Conditions = Field(default_factory=list)
     """Latest observations of the run's state."""
     observed_generation: int | None = None
     """The .metadata.generation the operator last acted on."""
-    job_set_name: str | None = None
+    job_set_name: ChildName | None = None
     """Name of the JobSet running the trainer."""
     restarts: int | None = None
     """JobSet restarts so far that count toward spec.maxRestarts (retriable faults)."""
@@ -240,28 +273,30 @@ class LoraFinetuneStatus(ApiModel):
     """Last optimizer step reported by the trainer."""
     total_steps: int | None = None
     """training.steps."""
-    progress: str | None = None
+    progress: ShortText | None = None
     """`step/totalSteps`, for the printer column."""
-    loss: str | None = None
+    loss: ShortText | None = None
     """Last training loss (a string so that kubectl prints it verbatim)."""
-    tokens_per_second: str | None = None
+    tokens_per_second: ShortText | None = None
     """Training throughput over the last log interval."""
-    mfu: str | None = None
+    mfu: ShortText | None = None
     """Model FLOPs utilisation over the last log interval (0-1), when the trainer knows the chip's peak."""
-    eta: str | None = None
+    eta: ShortText | None = None
     """Estimated time to finish training, e.g. `1h02m`."""
-    last_checkpoint: str | None = None
+    last_checkpoint: StatusUri | None = None
     """URI of the last committed checkpoint."""
-    adapter_uri: str | None = None
+    adapter_uri: StatusUri | None = None
     """URI of the exported HF PEFT adapter."""
-    merged_uri: str | None = None
+    merged_uri: StatusUri | None = None
     """URI of the merged model, when requested."""
-    tpu: str | None = None
+    tpu: ShortText | None = None
     """TPU shape, e.g. `v5p 2x2x2 x2`, for the printer column."""
-    start_time: str | None = None
+    start_time: ShortText | None = None
     """When the JobSet started."""
-    completion_time: str | None = None
+    completion_time: ShortText | None = None
     """When the run reached Succeeded or Failed."""
+    record: RunRecord | None = None
+    """The operator's durable record (see RunRecord); for the operator, not for people."""
 
 
 class AdapterEndpoint(ApiModel):
@@ -325,18 +360,20 @@ class AdapterConversionSpec(ApiModel):
 class AdapterConversionStatus(ApiModel):
     phase: Literal["Pending", "Running", "Succeeded", "Failed"] | None = None
     """Pending, Running, Succeeded or Failed."""
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: Conditions = Field(default_factory=list)
     """Latest observations."""
     observed_generation: int | None = None
     """The .metadata.generation the operator last acted on."""
-    job_name: str | None = None
+    job_name: ChildName | None = None
     """Name of the conversion Job."""
-    output_uri: str | None = None
+    output_uri: StatusUri | None = None
     """Where the converted adapter (or merged model) was written."""
-    start_time: str | None = None
+    start_time: ShortText | None = None
     """When the Job started."""
-    completion_time: str | None = None
+    completion_time: ShortText | None = None
     """When the conversion finished."""
+    record: RunRecord | None = None
+    """The operator's durable record (its conversion Job); for the operator, not for people."""
 
 
 __all__ = [

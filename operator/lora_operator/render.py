@@ -41,6 +41,11 @@ ADC_LABEL = "lora-operator.dev/adapterconversion"
 COMPONENT_LABEL = "lora-operator.dev/component"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+#: On the JobSet and the Jobs the operator creates: their controllers (and TTL) may finish and delete
+#: them, but the object stays until the operator has recorded in the CR's status what it did, as the
+#: Job controller's `batch.kubernetes.io/job-tracking` does for pods. So a run whose JobSet finished
+#: and was deleted while the operator was away is never taken for one whose JobSet went missing.
+TRACKING_FINALIZER = "lora-operator.dev/tracking"
 #: Longest CR name whose pod hostnames (`<name>-slice-<job>-<pod>`) stay within 63 characters.
 MAX_NAME = 40
 
@@ -263,6 +268,7 @@ def render_jobset(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettin
     extra = {QUEUE_LABEL: queue} if queue else {}
     meta = _metadata(owner, names.jobset, "trainer", **extra)
     meta["annotations"] = {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool", **placement.jobset_annotations}
+    meta["finalizers"] = [TRACKING_FINALIZER]
     pod_labels = _labels(owner, "trainer")
 
     container = {
@@ -361,7 +367,7 @@ def _cpu_job(
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _metadata(owner, name, component),
+        "metadata": {**_metadata(owner, name, component), "finalizers": [TRACKING_FINALIZER]},
         "spec": {
             "backoffLimit": 0,
             "ttlSecondsAfterFinished": settings.job_ttl_seconds_after_finished,
@@ -421,12 +427,16 @@ def render_conversion_job(owner: Owner, spec: AdapterConversionSpec, settings: O
     )
 
 
-def render_lora_finetune(body: dict[str, Any], settings: OperatorSettings) -> list[Manifest]:
-    """Everything a LoraFinetune creates up front: the ConfigMap, then the JobSet."""
-    owner = Owner.from_body(body)
-    spec = parse_spec(LoraFinetuneSpec, body)
+def render_training(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettings) -> list[Manifest]:
+    """What a LoraFinetune trains with: the ConfigMap, then the JobSet; InvalidSpec naming every
+    field the admin's settings refuse."""
     refuse(lora_finetune_problems(spec, settings))
     return [render_config_map(owner, spec), render_jobset(owner, spec, settings)]
+
+
+def render_lora_finetune(body: dict[str, Any], settings: OperatorSettings) -> list[Manifest]:
+    """Everything a LoraFinetune creates up front: the ConfigMap, then the JobSet."""
+    return render_training(Owner.from_body(body), parse_spec(LoraFinetuneSpec, body), settings)
 
 
 def render_all(body: dict[str, Any], settings: OperatorSettings) -> list[Manifest]:

@@ -11,6 +11,7 @@ import kopf
 import kubernetes.client
 import kubernetes.config
 
+from lora_operator.controller import Controller
 from lora_operator.handlers import build_registry
 from lora_operator.kube import Kube
 from lora_operator.settings import OperatorSettings, SettingsError, load_settings
@@ -51,7 +52,7 @@ async def operate(
     await kopf.operator(
         registry=registry,
         settings=kopf_settings,
-        memo=kopf.Memo(settings=settings, kube=kube),
+        memo=kopf.Memo(settings=settings, kube=kube, controller=Controller(kube, settings)),
         standalone=True,
         clusterwide=not watched,
         namespaces=watched,

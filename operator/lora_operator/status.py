@@ -13,10 +13,13 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
-from lora_operator.render import LFT_LABEL
+from lora_operator.api import MAX_MESSAGE
+from lora_operator.render import LFT_LABEL, QUEUE_LABEL
 
 #: Phases after which nothing changes any more.
 TERMINAL = ("Succeeded", "Failed")
+#: Phases in which a LoraFinetune needs its JobSet.
+TRAINING = ("Pending", "Running", "Suspended")
 
 
 def now_rfc3339() -> str:
@@ -42,11 +45,21 @@ def _true_condition(status: dict[str, Any], ctype: str) -> dict[str, Any] | None
     return None
 
 
+def kueue_queue(jobset: dict[str, Any]) -> str | None:
+    """The Kueue LocalQueue a JobSet is queued in (its label), or None when Kueue does not manage it."""
+    return (jobset.get("metadata", {}).get("labels") or {}).get(QUEUE_LABEL) or None
+
+
+RESUMED = "resumed; waiting for TPU pods (training continues from the last checkpoint)"
+
+
 def observe_jobset(jobset: dict[str, Any], *, requested_suspend: bool = False) -> Observation:
     """Phase of a LoraFinetune from its JobSet (before export; `Completed` means training finished).
 
-    A suspended JobSet whose LoraFinetune did not ask for it (`requested_suspend`) is waiting for
-    Kueue, whose webhook keeps queued JobSets suspended until admission: that is Pending, not Suspended.
+    A suspended JobSet whose LoraFinetune did not ask for it (`requested_suspend`) and that carries
+    a Kueue queue label is waiting for Kueue, whose webhook keeps queued JobSets suspended until
+    admission: that is Pending, not Suspended. Without the label no Kueue holds it, so it is
+    about to be resumed (never reported as waiting for admission).
     Suspension is read from `spec.suspend` alone: the controller's `Suspended` condition lags a
     resume by a moment, and read as suspension it made every resumed run look queued by Kueue."""
     status = jobset.get("status") or {}
@@ -70,10 +83,11 @@ def observe_jobset(jobset: dict[str, Any], *, requested_suspend: bool = False) -
     if (jobset.get("spec") or {}).get("suspend"):
         if requested_suspend:
             return Observation("Suspended", "Suspended", "the JobSet is suspended; set spec.suspend to false to resume from the last checkpoint", restarts)
-        queue = (jobset.get("metadata", {}).get("labels") or {}).get("kueue.x-k8s.io/queue-name")
-        where = f"LocalQueue {queue}" if queue else "its queue"
+        queue = kueue_queue(jobset)
+        if queue is None:  # no Kueue holds it: the operator is resuming it (spec.suspend is false)
+            return Observation("Pending", "Resumed", RESUMED, restarts)
         return Observation("Pending", "WaitingForAdmission",
-                           f"the JobSet is suspended until Kueue admits it from {where}; check `kubectl get workloads` for quota", restarts)
+                           f"the JobSet is suspended until Kueue admits it from LocalQueue {queue}; check `kubectl get workloads` for quota", restarts)
     jobs = status.get("replicatedJobsStatus") or []
     if any((j.get("active") or 0) + (j.get("ready") or 0) > 0 for j in jobs):
         return Observation("Running", "TrainingRunning", "trainer pods are running", restarts)
@@ -100,6 +114,12 @@ def observe_job(job: dict[str, Any], what: str) -> Observation:
     if (status.get("active") or 0) > 0:
         return Observation("Running", f"{what.capitalize()}Running", f"{what} Job {name} is running", start_time=status.get("startTime"))
     return Observation("Pending", f"{what.capitalize()}Pending", f"{what} Job {name} is waiting for its pod")
+
+
+def job_finished(job: dict[str, Any]) -> bool:
+    """True once the Job controller has said Complete or Failed."""
+    status = job.get("status") or {}
+    return _true_condition(status, "Complete") is not None or _true_condition(status, "Failed") is not None
 
 
 def combine_jobs(observations: list[Observation]) -> Observation:
@@ -130,7 +150,10 @@ def set_condition(
     conditions: list[dict[str, Any]], ctype: str, status: str, reason: str, message: str,
     generation: int | None, now: str,
 ) -> list[dict[str, Any]]:
-    """metav1.Condition upsert: lastTransitionTime changes only when `status` does."""
+    """metav1.Condition upsert: lastTransitionTime changes only when `status` does; a message over
+    the schema's bound is cut (a webhook's refusal quoted whole could otherwise not be written)."""
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 5] + " ..."
     out = []
     found = False
     for c in conditions:

@@ -60,8 +60,10 @@ async def test_create_makes_jobset_and_configmap_once(h):
     assert [o["metadata"]["name"] for o in await h.list("JobSet")] == ["run-a"]
     assert [o["metadata"]["name"] for o in await h.list("ConfigMap")] == ["run-a-config"]
     await h.wait_for(lambda: _has_event(h, "run-a", "Created"), what="Created event")
-    # kopf's bookkeeping is in annotations, not in the (pruned) status.
-    assert set(st["status"]) <= {"phase", "conditions", "observedGeneration", "jobSetName", "tpu", "totalSteps", "progress", "restarts"}
+    # kopf's bookkeeping is in annotations, not in the (pruned) status; the operator's own durable
+    # record (what it did to the children, lora_operator.reconcile) is part of the status schema.
+    assert set(st["status"]) <= {"phase", "conditions", "observedGeneration", "jobSetName", "tpu", "totalSteps", "progress", "restarts",
+                                 "record"}
 
 
 def _phase(p: str):

@@ -25,5 +25,6 @@ def test_operator_needs_no_jax_and_only_light_trainer_modules():
 
 
 def test_pure_layers_do_not_import_kopf_or_the_kubernetes_client():
-    for module in ("lora_operator.render", "lora_operator.status", "lora_operator.crdgen", "lora_operator.tpu"):
+    for module in ("lora_operator.render", "lora_operator.status", "lora_operator.crdgen", "lora_operator.tpu",
+                   "lora_operator.plan", "lora_operator.reconcile", "lora_operator.policy", "lora_operator.images"):
         assert not {m for m in _loaded(module) if m.split(".")[0] in ("kopf", "kubernetes")}, module

@@ -14,22 +14,27 @@ import pytest
 from k8s_harness import ApiServerEmulator, Harness, _now, harness_settings
 from test_operator_e2e import _cond, _has_event, _phase, adc, lft
 
-from lora_operator import handlers
+from lora_operator.controller import write_status
+from lora_operator.kube import RETRY_WAITS
 from lora_operator import status as st
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 class _StatusHiccup(ApiServerEmulator):
-    """One transient 500 (etcd timing out) on the operator's next status write to `plural`."""
+    """500s (etcd timing out) on the operator's next status writes to `plural`: more in a row than
+    its client retries (lora_operator.kube.RETRY_WAITS), so the write is lost to the handler."""
 
     plural: str | None = None
+    failures = 0
 
     async def _handle(self, request: kmock.Request) -> Any:
         if (self.plural and request.resource is not None and request.resource.plural == self.plural
                 and request.subresource == "status" and request.action == kmock.action.UPDATE
                 and not request.headers.get("User-Agent", "").startswith("lora-harness")):
-            self.plural = None
+            self.failures += 1
+            if self.failures > len(RETRY_WAITS):
+                self.plural = None
             raise kmock.KubernetesError(status=500, reason="InternalError", message="etcdserver: request timed out")
         return await super()._handle(request)
 
@@ -61,7 +66,8 @@ async def test_a_status_write_for_a_resource_deleted_since_is_dropped():
         snapshot = await h.get("AdapterConversion", "conv-gone")
         await h.delete("AdapterConversion", "conv-gone")
         await h.gone("AdapterConversion", "conv-gone")
-        await asyncio.to_thread(handlers._write_status, h.kube(), snapshot, st.Observation("Running", "JobRunning", "the Job is running"))
+        patch = st.status_patch({}, st.Observation("Running", "JobRunning", "the Job is running"), 1, st.now_rfc3339())
+        assert await asyncio.to_thread(write_status, h.kube(), snapshot, patch) is None
         assert await h.events_for("conv-gone") == []
 
 
@@ -113,12 +119,13 @@ async def test_children_deleted_while_the_operator_was_away_come_back_with_an_ev
         await h.patch_status("Job", "conv-r-convert", {"active": 1, "startTime": "2026-12-04T08:00:00Z"})
         await h.wait_for_status("AdapterConversion", "conv-r", _phase("Running"))
         await h.stop_operator()
+        uids = {}
         for kind, name in (("JobSet", "run-r"), ("Job", "conv-r-convert")):
-            await h.delete(kind, name)
-            await h.gone(kind, name)
+            uids[kind] = (await h.get(kind, name))["metadata"]["uid"]
+            await h.delete(kind, name)  # held by the operator's tracking finalizer until it returns
         await h.start_operator()
-        await h.wait_for(lambda: h.get("JobSet", "run-r"), what="the JobSet again")
-        await h.wait_for(lambda: h.get("Job", "conv-r-convert"), what="the conversion Job again")
+        await h.replaced("JobSet", "run-r", uids["JobSet"])
+        await h.replaced("Job", "conv-r-convert", uids["Job"])
         await h.wait_for(lambda: _has_event(h, "run-r", "JobSetRecreated"), what="JobSetRecreated event")
         await h.wait_for(lambda: _has_event(h, "conv-r", "ConversionRecreated"), what="ConversionRecreated event")
         # Resuming children that are still there is silent, and "Created" is posted once per resource.

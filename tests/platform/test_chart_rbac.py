@@ -26,10 +26,7 @@ NAMESPACE = "default"
 
 #: Rights the chart grants although no emulator scenario exercises them, each with its reason.
 #: Keep this list short: every entry is a right the tests cannot prove is needed.
-GRANTED_WITHOUT_EVIDENCE: dict[tuple[str, str], str] = {
-    ("patch", "jobset.x-k8s.io/jobsets"): "suspend/resume merge-patches the JobSet's spec.suspend "
-    "(lora_operator.handlers.lft_suspend); recorded when the operator's suspend tests run in the same session",
-}
+GRANTED_WITHOUT_EVIDENCE: dict[tuple[str, str], str] = {}
 
 
 def _lft(name: str, output: Path) -> dict[str, Any]:
@@ -55,10 +52,10 @@ async def _lifecycle(h: Harness, tmp_path: Path) -> None:
     output = tmp_path / "run"
     output.mkdir()
     body = await h.create(_lft("rbac-run", output))
-    # As after an operator restart: the children already exist, so the operator's create gets a
-    # 409 and reads them back to adopt them (the `get` rights on ConfigMaps and JobSets).
-    for child in render_lora_finetune(body, harness_settings()):
-        await h.create(child)
+    # As after an operator restart that had made the ConfigMap only: the create gets a 409 and reads
+    # it back to adopt it (the `get` right on ConfigMaps); the JobSet is created.
+    config_map, _ = render_lora_finetune(body, harness_settings())
+    await h.create(config_map)
     await h.start_operator()
     await h.wait_for_status("LoraFinetune", "rbac-run", lambda s: s.get("phase") == "Pending")
     (output / "progress.json").write_text(json.dumps({"step": 5, "totalSteps": 10, "loss": 1.5, "tokensPerSecond": 100.0, "eta": "1m"}))

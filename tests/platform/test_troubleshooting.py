@@ -1,9 +1,11 @@
 """docs/troubleshooting.md documents every status reason the operator can set.
 
-The reasons are read from the operator's source (lora_operator.status and .handlers): string
-literals passed as the reason of `Observation(...)`, `_fail(...)`, `set_condition(...)` and
-`_event(reason=...)`, with `f"{what.capitalize()}Failed"`-style reasons expanded over the `what`
-values passed to `observe_job`. A new reason without a documented meaning fails this test.
+The reasons are read from the operator's source (lora_operator.status, .reconcile, .controller,
+and the refusals' `reason` class attributes in .render and .kube): string literals passed as the
+reason of `Observation(...)`, `_fail(...)`, `set_condition(...)`, `PostEvent(...)`, the
+(reason, message, type) tuples given to `adopt(...)`, and `reason=...` keywords, with
+`f"{what.capitalize()}Failed"`-style reasons expanded over the `what` values passed to
+`observe_job`. A new reason without a documented meaning fails this test.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import ast
 import inspect
 from pathlib import Path
 
-from lora_operator import handlers, status
+from lora_operator import controller, kube, reconcile, render, status
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
 #: Which positional argument is the reason, per callee name.
-REASON_ARG = {"Observation": 1, "_fail": 3, "set_condition": 3}
+REASON_ARG = {"Observation": 1, "_fail": 1, "set_condition": 3, "PostEvent": 1}
 
 
 def _callee(node: ast.Call) -> str:
@@ -37,7 +39,7 @@ def _literals(node: ast.AST, whats: set[str]) -> set[str]:
 
 
 def operator_reasons() -> set[str]:
-    trees = [ast.parse(inspect.getsource(m)) for m in (status, handlers)]
+    trees = [ast.parse(inspect.getsource(m)) for m in (status, reconcile, controller, render, kube)]
     calls = [n for t in trees for n in ast.walk(t) if isinstance(n, ast.Call)]
     whats = {a.value for c in calls if _callee(c) == "observe_job" for a in c.args[1:2] if isinstance(a, ast.Constant)}
     reasons: set[str] = set()
@@ -48,6 +50,12 @@ def operator_reasons() -> set[str]:
         for kw in call.keywords:
             if kw.arg == "reason":
                 reasons |= _literals(kw.value, whats)
+        if name == "adopt":
+            reasons |= {r for a in call.args if isinstance(a, ast.Tuple) and a.elts for r in _literals(a.elts[0], whats)}
+    for node in (n for t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef)):
+        for stmt in node.body:  # a refusal's condition reason: `reason = "InvalidSpec"`
+            if isinstance(stmt, ast.Assign) and [getattr(t, "id", None) for t in stmt.targets] == ["reason"]:
+                reasons |= _literals(stmt.value, whats)
     return reasons
 
 

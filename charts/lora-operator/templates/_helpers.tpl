@@ -87,14 +87,15 @@ ClusterRole (all namespaces) and the per-namespace Roles grant exactly the same.
 - apiGroups: ["lora-operator.dev"]
   resources: ["lorafinetunes/status", "adapterconversions/status"]
   verbs: ["patch"]
-# The trainer: one JobSet per LoraFinetune (get: adopt it after an operator restart; patch: spec.suspend).
+# The trainer: one JobSet per LoraFinetune (get: observe it on every reconcile; patch: spec.suspend and
+# the operator's tracking finalizer, removed once the run's status records what the JobSet did).
 - apiGroups: ["jobset.x-k8s.io"]
   resources: ["jobsets"]
   verbs: ["get", "list", "watch", "create", "patch"]
-# Export and conversion Jobs (watched for their outcome).
+# Export and conversion Jobs (watched for their outcome; patch: the tracking finalizer).
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "list", "watch", "create"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 # The train config handed to the trainer pods (get: adopt it after an operator restart).
 - apiGroups: [""]
   resources: ["configmaps"]
