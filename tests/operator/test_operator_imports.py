@@ -10,7 +10,7 @@ import {module}
 print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'torch', 'kopf', 'kubernetes', 'lora_trainer'))))
 """
 
-TRAINER_MODULES_ALLOWED = {"lora_trainer", "lora_trainer.config", "lora_trainer.errors", "lora_trainer.exit_codes", "lora_trainer.storage"}
+TRAINER_MODULES_ALLOWED = {"lora_trainer", "lora_trainer.config", "lora_trainer.errors", "lora_trainer.exit_codes", "lora_trainer.storage", "lora_trainer.storage_faults"}
 
 
 def _loaded(module: str) -> set[str]:

@@ -32,17 +32,14 @@ from etils import epath
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from lora_trainer import storage
-from lora_trainer.errors import RetriableError, UserError, is_device_oom
+from lora_trainer.checkpoint_metadata import LAYOUT, METADATA_KEYS, check_item_keys, check_layout, check_required, valid_metadata
+from lora_trainer.errors import UserError, one_line
 
 LORA = "lora"
 OPTIMIZER = "optimizer"
 DATA = "data"
 METADATA = "metadata"
 
-#: Keys every checkpoint's `metadata` item carries (contracts.md); `write_lora` refuses less.
-METADATA_KEYS = ("family", "baseModel", "rank", "alpha", "dropout", "targetModules", "quantization", "modulePaths")
-#: The `metadata` key in which `write_lora` records how its `lora` item is laid out.
-LAYOUT = "loraLayout"
 #: What stands for the layer index in the key of a layer-stacked group (as in the families' templates).
 LAYER = "{i}"
 
@@ -60,20 +57,6 @@ def _path(uri: str) -> epath.Path:
     return epath.Path(uri if storage.is_gcs(uri) else storage.absolute_local_path(uri))
 
 
-#: Markers of a transient fault in errors TensorStore (ValueError) and gcsfs raise for gs:// I/O.
-#: TensorStore reports an endpoint it could not reach as ABORTED "All N retry attempts failed".
-_TRANSIENT = (
-    "UNAVAILABLE",
-    "DEADLINE_EXCEEDED",
-    "RESOURCE_EXHAUSTED",
-    "HTTP response code: 5",
-    "HTTP response code: 429",
-    "Connection reset",
-    "timed out",
-    "retry attempts failed",
-)
-
-
 def _bound_tensorstore_retries() -> None:
     """Give every TensorStore context Orbax builds from now on the storage retry deadline.
 
@@ -87,21 +70,13 @@ def _bound_tensorstore_retries() -> None:
 
 
 @contextlib.contextmanager
-def _storage_faults(uri: str) -> Iterator[None]:
-    """Turn storage outages under Orbax into RetriableError (the JobSet restarts, the run resumes),
-    after bounding how long TensorStore retries one (`_bound_tensorstore_retries`)."""
+def _storage_faults(uri: str, *, writing: bool = False) -> Iterator[None]:
+    """Map storage faults under Orbax (gcsfs, TensorStore) onto the exit-code table (`storage.faults`),
+    after bounding how long TensorStore retries one (`_bound_tensorstore_retries`). `writing` marks
+    saves and deletions, where an object gone under a retried request is transient."""
     _bound_tensorstore_retries()
-    try:
+    with storage.faults(uri, subject=f"checkpoints at {uri}", writing=writing):
         yield
-    except (ConnectionError, TimeoutError) as e:
-        raise RetriableError(f"storage fault while accessing checkpoints at {uri}: {e}") from e
-    except Exception as e:
-        if is_device_oom(e):
-            raise  # XLA's RESOURCE_EXHAUSTED for device memory: a user error (see cli), not GCS throttling
-        transient = storage.is_gcs(uri) and any(m in str(e) for m in _TRANSIENT)
-        if transient or type(e).__module__.startswith(("google.api_core", "google.auth", "aiohttp")):
-            raise RetriableError(f"storage fault while accessing checkpoints at {uri}: {e}") from e
-        raise
 
 
 def committed_steps(root: str) -> list[int]:
@@ -201,16 +176,35 @@ def _split_step_dir(root: str, step: int | None) -> tuple[str, int | None]:
     return root, step
 
 
+#: How TensorStore's errors start when the bytes it read are missing or malformed (absl status codes).
+_DAMAGE = ("NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "DATA_LOSS", "OUT_OF_RANGE")
+
+
 @contextlib.contextmanager
 def _unreadable_step(root: str, step: int) -> Iterator[None]:
     """A committed step with an item missing or damaged (deleted or edited by hand): a UserError naming it."""
     try:
         yield
-    except (KeyError, json.JSONDecodeError, FileNotFoundError) as e:
+    except (KeyError, json.JSONDecodeError, UnicodeDecodeError, RecursionError, FileNotFoundError, ValueError) as e:
+        # TensorStore's ValueError: only the absl codes of a damaged file, not the transient ones (`storage.faults`).
+        if isinstance(e, ValueError) and not isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) and not str(e).startswith(_DAMAGE):
+            raise
         raise UserError(
-            f"checkpoint {step_uri(root, step)} is committed but incomplete or damaged ({e}); delete that step "
+            f"checkpoint {step_uri(root, step)} is committed but incomplete or damaged ({one_line(e)}); delete that step "
             "directory so that the run resumes from the step before it, or read another step (export --step)"
         ) from e
+
+
+#: Orbax's record of a PyTree item's structure, inside the item's directory.
+_TREE_RECORD = "_METADATA"
+
+
+def _check_stored_names(step_dir: str) -> None:
+    """The names under a step's `lora` item, from its tree record, before Orbax opens any array by them
+    (`check_item_keys`). Checkpoints without the record (older Orbax) have nothing to check here."""
+    record = storage.join(step_dir, LORA, _TREE_RECORD)
+    if storage.exists(record):
+        check_item_keys(json.loads(storage.read_text(record)), step_dir)
 
 
 def _resolve_step(root: str, step: int | None) -> int:
@@ -234,11 +228,12 @@ def _numpy_restore_args(item_metadata: Any) -> Any:
 
 
 def read_metadata(root: str, step: int | None = None) -> dict[str, Any]:
-    """The `metadata` item of a committed step (latest by default)."""
+    """The `metadata` item of a committed step (latest by default), its keys checked (`valid_metadata`)."""
     root, step = _split_step_dir(root, step)
     step = _resolve_step(root, step)
     with _storage_faults(root), _unreadable_step(root, step), _reader(root, METADATA) as mgr:
-        return dict(mgr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))[METADATA])
+        raw = mgr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))[METADATA]
+    return valid_metadata(raw, step_uri(root, step))
 
 
 def read_lora(root: str, step: int | None = None) -> tuple[LoraTree, dict[str, Any]]:
@@ -247,11 +242,16 @@ def read_lora(root: str, step: int | None = None) -> tuple[LoraTree, dict[str, A
     `root` is a checkpoint root (`<output>/checkpoints`, or an adapter-only checkpoint made
     by `write_lora`) or one committed step directory inside it. The tree is per module path
     whatever the stored layout; layer-stacked groups come back as views of their stacked
-    arrays (no copies), and the returned metadata lacks the layout record.
+    arrays (no copies), and the returned metadata lacks the layout record. Metadata and layout that
+    are not what the format promises (`checkpoint_metadata`) are a UserError naming the item and key,
+    and the `lora` item's names are checked before any array is read. Whether the tree is the
+    adapter its metadata describes is for readers that need an adapter (`check_lora_tree`).
     """
     root, step = _split_step_dir(root, step)
     step = _resolve_step(root, step)
+    where = step_uri(root, step)
     with _storage_faults(root), _unreadable_step(root, step), _reader(root, LORA, METADATA) as mgr:
+        _check_stored_names(where)
         meta = mgr.item_metadata(step)[LORA]
         restored = mgr.restore(
             step,
@@ -260,15 +260,9 @@ def read_lora(root: str, step: int | None = None) -> tuple[LoraTree, dict[str, A
                 metadata=ocp.args.JsonRestore(),
             ),
         )
-    metadata = dict(restored[METADATA])
-    layout = metadata.pop(LAYOUT, None) or {}
-    return _unstack_layers(restored[LORA], layout.get("stacked", {}), layout.get("axes", {})), metadata
-
-
-def _check_metadata(metadata: Mapping[str, Any], where: str) -> None:
-    missing = [k for k in METADATA_KEYS if k not in metadata]
-    if missing:
-        raise UserError(f"LoRA checkpoint metadata for {where} lacks {missing}; every checkpoint records {list(METADATA_KEYS)}")
+    metadata = valid_metadata(restored[METADATA], where)
+    stacked, axes = check_layout(metadata.pop(LAYOUT, None) or {}, restored[LORA], where)
+    return _unstack_layers(restored[LORA], stacked, axes), metadata
 
 
 def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], metadata: Mapping[str, Any]) -> None:
@@ -277,10 +271,10 @@ def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], meta
     The `lora` item is stored layer-stacked (`_stack_layers`) and `metadata[LAYOUT]` records
     which groups were stacked, and in which axis order; `read_lora` restores the per-path tree.
     """
-    _check_metadata(metadata, root)
+    check_required(metadata, root)
     stored, stacked, axes = _stack_layers(_as_dict_tree(tree))
     _quiet_orbax()
-    with _storage_faults(root):
+    with _storage_faults(root, writing=True):
         mgr = ocp.CheckpointManager(
             _path(root),
             options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True),
@@ -429,7 +423,7 @@ class TrainingCheckpoints:
     def __init__(self, root: str, *, keep: int) -> None:
         self.root = root
         _quiet_orbax()
-        with _storage_faults(root):
+        with _storage_faults(root, writing=True):
             self._mgr = ocp.CheckpointManager(
                 _path(root),
                 # cleanup_tmp_directories: a step a killed process left half-written (a `*.orbax-checkpoint-tmp`
@@ -454,8 +448,8 @@ class TrainingCheckpoints:
         metadata: Mapping[str, Any],
     ) -> None:
         """Start saving `step` in the background (arrays are copied off the devices first)."""
-        _check_metadata(metadata, self.root)
-        with _storage_faults(self.root):
+        check_required(metadata, self.root)
+        with _storage_faults(self.root, writing=True):
             self._mgr.save(
                 step,
                 args=ocp.args.Composite(
@@ -469,7 +463,7 @@ class TrainingCheckpoints:
 
     def wait(self) -> None:
         """Block until every started save has committed."""
-        with _storage_faults(self.root):
+        with _storage_faults(self.root, writing=True):
             self._mgr.wait_until_finished()
 
     def restore(self, step: int, *, lora_target: Any, optimizer_target: Any) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
@@ -494,7 +488,7 @@ class TrainingCheckpoints:
 
     def close(self) -> None:
         """Wait for pending saves, then release Orbax's threads."""
-        with _storage_faults(self.root):
+        with _storage_faults(self.root, writing=True):
             self._mgr.wait_until_finished()
             self._mgr.close()
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from lora_trainer import exit_codes
-from lora_trainer.errors import TrainerError, UserError, device_oom_message
+from lora_trainer.errors import TrainerError, UserError, device_oom_message, naming_fields
 
 #: Seconds Python's shutdown may take once the exit code is decided; then the process is ended anyway.
 EXIT_GRACE_S = 30.0
@@ -59,13 +59,35 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Flags of each command that name a storage location (`naming_fields` names them in errors).
+_LOCATION_FLAGS = {
+    "export": ("checkpoint", "out", "base"),
+    "convert": ("source", "out", "base"),
+    "logits": ("base", "adapter", "out"),
+}
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train":
         from lora_trainer.config import load_train_config
         from lora_trainer.train import run_training
 
-        run_training(load_train_config(args.config), interruptible=True)  # Ctrl-C by hand: save, then exit 130
+        cfg = load_train_config(args.config)
+        fields = {
+            "model.source": cfg.model.source,
+            "dataset.train": cfg.dataset.train,
+            "dataset.eval": cfg.dataset.eval,
+            "lora.restoreFrom": cfg.lora.restore_from,
+            "output.uri": cfg.output.uri,
+        }
+        with naming_fields(fields):
+            run_training(cfg, interruptible=True)  # Ctrl-C by hand: save, then exit 130
         return exit_codes.OK
+    with naming_fields({f"--{flag}": getattr(args, flag) for flag in _LOCATION_FLAGS[args.command]}):
+        return _run_adapter_command(args)
+
+
+def _run_adapter_command(args: argparse.Namespace) -> int:
     if args.command == "export":
         from lora_trainer.adapters.export import export_checkpoint
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator, Mapping
 
 from lora_trainer import exit_codes
 
@@ -11,6 +13,11 @@ class TrainerError(Exception):
     """Base of errors the CLI turns into an exit code and a one-paragraph message."""
 
     exit_code = exit_codes.USER_ERROR
+
+    def __init__(self, message: str, *, uri: str | None = None) -> None:
+        super().__init__(message)
+        self.uri = uri
+        """The storage location the error is about, if any: `naming_fields` names the flag or field that gave it."""
 
 
 class UserError(TrainerError):
@@ -36,6 +43,43 @@ class Interrupted(TrainerError):
     """Ctrl-C (a run by hand), handled like a preemption (the checkpoint saved first): a rerun resumes."""
 
     exit_code = exit_codes.INTERRUPTED
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A value as an error message shows it: its repr, cut at `limit` characters (a hostile one may be huge)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception's text on one line, cut at `limit` characters (TensorStore and gcsfs put specs and HTTP
+    bodies in theirs), so that the paragraph it ends up in stays one line."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+@contextlib.contextmanager
+def naming_fields(fields: Mapping[str, str | None]) -> Iterator[None]:
+    """Start the message of an error about a storage location with the flag or config field that named it.
+
+    `fields` maps each flag or field (`model.source`, `--base`) to the URI it holds. Why: storage
+    code sees only URIs, deep down (`gs://b/run/checkpoints/4/lora`), while the person reading the
+    error wrote a field; the field whose URI is the longest prefix of the error's (at a `/`) is named.
+    """
+    try:
+        yield
+    except TrainerError as e:
+        field = _field_of(e.uri, fields)
+        if field is not None and not str(e).startswith(field):
+            e.args = (f"{field} {fields[field]}: {e}", *e.args[1:])
+        raise
+
+
+def _field_of(uri: str | None, fields: Mapping[str, str | None]) -> str | None:
+    if not uri:
+        return None
+    holding = [(len(v), f) for f, v in fields.items() if v and (uri == v or uri.startswith(v.rstrip("/") + "/"))]
+    return max(holding)[1] if holding else None
 
 
 #: Class names XLA raises its runtime errors as (`jax.errors.JaxRuntimeError`; jaxlib < 0.5 `XlaRuntimeError`).

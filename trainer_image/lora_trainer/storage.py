@@ -18,7 +18,12 @@ google-cloud-storage's backoff until `LORA_STORAGE_RETRY_DEADLINE_S` seconds hav
 (default 120, the client's own deadline), then raises RetriableError: a blip costs nothing,
 an outage ends the process with exit 42 within about that time, and the restarted run
 resumes from its last committed checkpoint. Uploads are retried too: every object here is
-written whole and overwriting it with the same bytes is harmless.
+written whole and overwriting it with the same bytes is harmless. `classify` is the one table
+from storage exceptions (google-cloud-storage, gcsfs, TensorStore, local) to exit codes.
+
+Names are confined (`confined_name`): a file or object name mapped onto a destination directory
+is a relative path of plain components, and a local source's symbolic links point to files inside
+it, so that no copy here writes, or carries into an output, anything outside the two directories.
 """
 
 from __future__ import annotations
@@ -35,13 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from lora_trainer.errors import RetriableError, UserError
+from lora_trainer.storage_faults import RETRY_DEADLINE_ENV, classify, in_cluster
 
 GS = "gs://"
 HF = "hf://"
 #: What a base model needs from a hub repository: weights, configs, tokenizer files.
 HF_MODEL_FILES = ["*.safetensors", "*.json", "*.model", "*.txt", "*.jinja"]
-#: Environment variable: seconds one gs:// call keeps retrying a transient fault before giving up.
-RETRY_DEADLINE_ENV = "LORA_STORAGE_RETRY_DEADLINE_S"
 #: google-cloud-storage's own deadline: long enough to ride out blips without a restart (which
 #: costs a model reload and a recompilation), short enough that an outage ends in exit 42.
 DEFAULT_RETRY_DEADLINE_S = 120.0
@@ -105,17 +109,9 @@ def _hf_download(uri: str, dest: Path | None = None) -> Path:
     if dest is None:
         return snapshot
     # A cached snapshot may hold more than this download asked for; copy the model files only.
-    shutil.copytree(snapshot, dest, dirs_exist_ok=True, ignore=_not_model_files)
+    names = [n for n in local_files(snapshot, uri) if any(fnmatch.fnmatch(n.rsplit("/", 1)[-1], p) for p in HF_MODEL_FILES)]
+    _copy_files(snapshot, names, dest)
     return dest
-
-
-def _not_model_files(directory: str, names: list[str]) -> list[str]:
-    """copytree filter: skip files that no HF_MODEL_FILES pattern matches."""
-    return [
-        n
-        for n in names
-        if os.path.isfile(os.path.join(directory, n)) and not any(fnmatch.fnmatch(n, p) for p in HF_MODEL_FILES)
-    ]
 
 
 def local_path(uri: str | os.PathLike[str]) -> Path:
@@ -169,7 +165,7 @@ def _client() -> Any:
     try:
         return storage.Client()
     except DefaultCredentialsError as e:
-        if os.environ.get("KUBERNETES_SERVICE_HOST"):  # GKE's metadata server can lag a pod's start: retry
+        if in_cluster():  # GKE's metadata server can lag a pod's start: retry
             raise RetriableError(
                 f"no Google Cloud credentials for gs:// ({e}); on GKE the Workload Identity metadata server may not "
                 "be ready yet (the pod restarts); if this repeats, bind the pod's service account to a Google service "
@@ -219,32 +215,43 @@ def _call() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _gcs_errors(uri: str) -> Iterator[None]:
-    """Map google-cloud-storage exceptions onto the exit-code table, naming the URI.
+def faults(uri: str, *, subject: str | None = None, writing: bool = False) -> Iterator[None]:
+    """Raise what `storage_faults.classify` makes of a storage exception in the block (about `uri`); others pass.
 
-    Connection failures arrive as `requests` exceptions (not the builtin ConnectionError), and
-    as RetryError once the retry deadline has passed with the storage still unreachable.
+    `subject` names what was accessed in the message (default `uri`); `writing` marks a block that
+    writes or deletes, where an object gone under a retried request is a transient fault.
     """
-    import requests
-    from google.api_core import exceptions as gexc
-    from google.auth import exceptions as auth_exc
-
     try:
         yield
-    except gexc.NotFound as e:
-        raise UserError(f"{uri} does not exist (bucket or object not found): check the URI and that the bucket exists") from e
-    except gexc.Forbidden as e:
-        raise UserError(
-            f"access to {uri} was denied: give the pod's service account (Workload Identity) read/write on the bucket"
-        ) from e
-    except (gexc.ServiceUnavailable, gexc.InternalServerError, gexc.TooManyRequests, gexc.GatewayTimeout) as e:
-        raise RetriableError(f"storage outage while accessing {uri}: {e}") from e
-    except gexc.RetryError as e:
-        raise RetriableError(
-            f"storage unreachable for {retry_deadline():.0f}s ({RETRY_DEADLINE_ENV}) while accessing {uri}: {e.cause or e}"
-        ) from e
-    except (ConnectionError, TimeoutError, requests.exceptions.RequestException, auth_exc.TransportError) as e:
-        raise RetriableError(f"cannot reach storage for {uri}: {e}") from e
+    except Exception as e:
+        error = classify(
+            e, uri, subject=subject, writing=writing, bucket_missing=lambda: _bucket_missing(uri), deadline_s=_deadline_or_none()
+        )
+        if error is None or error is e:
+            raise
+        raise error from e
+
+
+def _deadline_or_none() -> float | None:
+    """The retry deadline for a message; None when its setting is itself invalid (that error comes first elsewhere)."""
+    try:
+        return retry_deadline()
+    except UserError:
+        return None
+
+
+def _bucket_missing(uri: str) -> bool:
+    """True when the bucket of gs:// `uri` certainly does not exist (one listing, no retries: asked after a 404)."""
+    from google.api_core import exceptions as gexc
+
+    bucket, _ = split_gcs(uri)
+    try:
+        next(iter(_client().list_blobs(bucket, max_results=1, retry=None, timeout=10)), None)
+    except gexc.NotFound:
+        return True
+    except Exception:  # cannot tell now: no verdict against the bucket
+        return False
+    return False
 
 
 def _blob(uri: str) -> Any:
@@ -255,7 +262,7 @@ def _blob(uri: str) -> Any:
 def read_bytes(uri: str) -> bytes:
     """Whole file or object; a missing one is a UserError naming it."""
     if is_gcs(uri):
-        with _gcs_errors(uri):
+        with faults(uri):
             return _blob(uri).download_as_bytes(**_call())
     if is_hf(uri):
         return _hf_download(uri).read_bytes()
@@ -281,7 +288,7 @@ def write_bytes(uri: str, data: bytes) -> None:
     Locally via a temporary sibling and `os.replace`; a GCS object upload is atomic by itself.
     """
     if is_gcs(uri):
-        with _gcs_errors(uri):
+        with faults(uri, writing=True):
             _blob(uri).upload_from_string(data, **_call())
         return
     path = local_path(uri)
@@ -313,7 +320,7 @@ def exists(uri: str) -> bool:
     if not is_gcs(uri):
         return local_path(uri).exists()
     bucket, name = split_gcs(uri)
-    with _gcs_errors(uri):
+    with faults(uri):
         if name and _blob(uri).exists(**_call()):
             return True
         prefix = f"{name}/" if name else ""
@@ -327,7 +334,7 @@ def listdir(uri: str) -> list[str]:
         return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
     bucket, name = split_gcs(uri)
     prefix = f"{name}/" if name else ""
-    with _gcs_errors(uri):
+    with faults(uri):
         names = {b.name[len(prefix) :].split("/", 1)[0] for b in _client().list_blobs(bucket, prefix=prefix, **_call())}
     return sorted(n for n in names if n)
 
@@ -336,17 +343,108 @@ def _walk_gcs(uri: str) -> Iterator[tuple[str, Any]]:
     """(relative path, blob) for every object under a gs:// directory."""
     bucket, name = split_gcs(uri)
     prefix = f"{name}/" if name else ""
-    with _gcs_errors(uri):
+    with faults(uri):
         for blob in _client().list_blobs(bucket, prefix=prefix, **_call()):
             rel = blob.name[len(prefix) :]
             if rel and not rel.endswith("/"):
                 yield rel, blob
 
 
+def confined_name(name: str, source: str) -> str:
+    """`name`, a file's `/`-separated path relative to the directory `source`, when it stays inside any
+    directory it is copied to; else a UserError naming both.
+
+    Why: an object name is any string, and an object store has no directories to stop a path. Listed
+    under `gs://b/adapter`, the object `adapter//tmp/x` is `/tmp/x` and `adapter/../../tmp/x` is
+    `../../tmp/x`; joined onto a local directory either writes wherever it points. Only relative
+    paths of plain components pass: none empty (a leading `/`, `//`, a trailing `/`), `.` or `..`, and
+    no backslash (a separator on other systems) or control character (GCS refuses CR and LF).
+    """
+    parts = name.split("/")
+    problem = (
+        "an empty component (a leading '/' or a '//')" if "" in parts
+        else "a '.' or '..' component" if {".", ".."} & set(parts)
+        else "a backslash" if "\\" in name
+        else "a control character" if any(ord(c) < 32 or ord(c) == 127 for c in name)
+        else None
+    )
+    if problem is not None:
+        raise UserError(
+            f"{source.rstrip('/')}/{name} is named {name!r} below {source}, a name with {problem}: copied as named it "
+            "would land outside the directory it is copied to, so nothing was copied. Names below a source must be "
+            "relative paths of plain components: rename or delete that object or file",
+            uri=source,
+        )
+    return name
+
+
+def _link_root(directory: Path) -> Path:
+    """Where the symbolic links under a local source may point: inside it, or for a snapshot of the hub's
+    cache (`models--ORG--NAME/snapshots/REV`) inside its repository folder, whose `blobs/` its links name."""
+    real = directory.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--")):
+        return real.parent.parent
+    return real
+
+
+def local_files(directory: Path, source: str | None = None) -> list[str]:
+    """The `/`-separated names of every file under a local directory, each confined (`confined_name`).
+
+    A symbolic link is followed only to a file inside the directory (`_link_root`); any other is a
+    UserError naming it (`source`, default the directory, names the source): copied, it would carry
+    a file from elsewhere on the machine (a token, a key) into an output. Directory links are not
+    descended into, and other special files (sockets, pipes) are skipped.
+    """
+    source = source or str(directory)
+    root = _link_root(directory)
+    names = []
+    for path in sorted(directory.rglob("*")):
+        rel = path.relative_to(directory).as_posix()
+        if path.is_symlink():
+            target = path.resolve()
+            if not (target.is_file() and target.is_relative_to(root)):
+                raise UserError(
+                    f"{source} holds {rel!r}, a symbolic link to {target}: only links to files inside {root} are "
+                    "followed (a copy would carry what it points to into the output), so nothing was copied: replace "
+                    "the link by the file itself",
+                    uri=source,
+                )
+        if path.is_file():
+            names.append(confined_name(rel, source))
+    return names
+
+
+def _copy_files(src: Path, names: list[str], dest: Path) -> None:
+    """Copy the files `names` (checked by `local_files`) from `src` into `dest`, keeping their relative paths."""
+    for name in names:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / name, target)
+
+
+def _objects(uri: str) -> list[tuple[str, Any]]:
+    """(relative name, blob) of every object under a gs:// directory, each name confined, read whole before
+    any is copied; a name that is both an object and a directory of others is refused too."""
+    objects = [(confined_name(rel, uri), blob) for rel, blob in _walk_gcs(uri)]
+    names = {rel for rel, _ in objects}
+    for rel in sorted(names):
+        parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
+        while parent:
+            if parent in names:
+                raise UserError(
+                    f"{uri} holds both an object named {parent!r} below it and objects below {parent}/: a local "
+                    "directory cannot hold both, so nothing was copied: rename or delete one of them",
+                    uri=uri,
+                )
+            parent = parent.rsplit("/", 1)[0] if "/" in parent else ""
+    return objects
+
+
 def download_dir(uri: str, dest: str | os.PathLike[str]) -> Path:
     """Copy every file under `uri` into the local directory `dest`; a missing source is a UserError.
 
     For `hf://` repositories only the model files (weights, JSON configs, tokenizer) are fetched.
+    Every name is checked before anything is copied (`confined_name`, `local_files`).
     """
     dest_path = Path(dest)
     if is_hf(uri):
@@ -355,35 +453,31 @@ def download_dir(uri: str, dest: str | os.PathLike[str]) -> Path:
         src = local_path(uri)
         if not src.is_dir():
             raise UserError(f"{src} is not a directory: check the path")
-        shutil.copytree(src, dest_path, dirs_exist_ok=True)
+        _copy_files(src, local_files(src, uri), dest_path)
         return dest_path
-    found = False
-    for rel, blob in _walk_gcs(uri):
-        found = True
+    objects = _objects(uri)
+    if not objects:
+        raise UserError(f"{uri} holds no files: check the URI", uri=uri)
+    for rel, blob in objects:
         target = dest_path / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        with _gcs_errors(f"{uri.rstrip('/')}/{rel}"):
+        with faults(f"{uri.rstrip('/')}/{rel}"):
             blob.download_to_filename(str(target), **_call())
-    if not found:
-        raise UserError(f"{uri} holds no files: check the URI")
     return dest_path
 
 
 def upload_dir(src: str | os.PathLike[str], uri: str) -> None:
-    """Copy every file under the local directory `src` to `uri` (a local path or gs://)."""
+    """Copy every file under the local directory `src` to `uri` (a local path or gs://); names and links
+    are checked first (`local_files`)."""
     src_path = Path(src)
-    files = sorted(p for p in src_path.rglob("*") if p.is_file())
+    names = local_files(src_path)
     if not is_gcs(uri):
-        dest = local_path(uri)
-        for p in files:
-            target = dest / p.relative_to(src_path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(p, target)
+        _copy_files(src_path, names, local_path(uri))
         return
-    for p in files:
-        target_uri = join(uri, str(p.relative_to(src_path)))
-        with _gcs_errors(target_uri):
-            _blob(target_uri).upload_from_filename(str(p), **_call())
+    for name in names:
+        target_uri = join(uri, name)
+        with faults(target_uri, writing=True):
+            _blob(target_uri).upload_from_filename(str(src_path / name), **_call())
 
 
 @contextlib.contextmanager
@@ -413,7 +507,7 @@ def check_output_location(uri: str, field: str) -> None:
         from google.api_core import exceptions as gexc
 
         bucket, name = split_gcs(uri)
-        with _gcs_errors(uri):
+        with faults(uri):
             try:
                 next(iter(_client().list_blobs(bucket, prefix=f"{name}/" if name else "", max_results=1, **_call())), None)
             except gexc.NotFound as e:
@@ -505,6 +599,8 @@ def delete_tree(uri: str) -> None:
     if not is_gcs(uri):
         shutil.rmtree(local_path(uri), ignore_errors=True)
         return
+    from google.api_core import exceptions as gexc
+
     for _rel, blob in list(_walk_gcs(uri)):
-        with _gcs_errors(uri):
+        with faults(uri, writing=True), contextlib.suppress(gexc.NotFound):  # a retried delete whose first attempt did it
             blob.delete(**_call())

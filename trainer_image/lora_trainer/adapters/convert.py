@@ -18,8 +18,9 @@ from lora_trainer import storage
 from lora_trainer.adapters.base_model import BaseShapes, base_shapes
 from lora_trainer.adapters.export import adapter_from_checkpoint, write_adapter_output
 from lora_trainer.adapters.mapping import LoraTree, peft_to_lora_tree, target_regex
-from lora_trainer.adapters.peft_format import CONFIG_NAME, PeftLoraAdapter, read_peft_adapter
+from lora_trainer.adapters.peft_format import CONFIG_NAME, WEIGHTS_NAME, PeftLoraAdapter, read_peft_adapter
 from lora_trainer.checkpoint import read_lora, write_lora
+from lora_trainer.checkpoint_metadata import check_lora_tree
 from lora_trainer.errors import UserError
 from lora_trainer.lora import targetable_modules
 from lora_trainer.models import FamilySpec
@@ -44,12 +45,17 @@ def read_peft_uri(uri: str) -> PeftLoraAdapter:
             "adapter_config.json and adapter_model.safetensors"
         )
     with storage.local_dir(uri) as directory:
-        return read_peft_adapter(directory)
+        return read_peft_adapter(directory, uri)
+
+
+def _weights(adapter: PeftLoraAdapter) -> str:
+    """How errors name an adapter's tensor file."""
+    return storage.join(adapter.source, WEIGHTS_NAME) if adapter.source else "the adapter"
 
 
 def peft_lora_tree(adapter: PeftLoraAdapter, base: BaseShapes) -> LoraTree:
     """The adapter as the trainer's LoRA tree, checked against the base's shapes."""
-    return peft_to_lora_tree(adapter.modules, base.family, base.weight_shapes, rank=adapter.hyper.rank)
+    return peft_to_lora_tree(adapter.modules, base.family, base.weight_shapes, rank=adapter.hyper.rank, where=_weights(adapter))
 
 
 def imported_metadata(adapter: PeftLoraAdapter, tree: LoraTree, base: BaseShapes, base_uri: str) -> dict[str, Any]:
@@ -106,9 +112,11 @@ def convert(
     tree, metadata = read_lora(source)
     if metadata["family"] != shapes.family.name:
         raise UserError(f"the checkpoint at {source} is a {metadata['family']} adapter but --base {base} is a {shapes.family.name} model")
-    adapter = adapter_from_checkpoint(tree, metadata, base=recorded, family=shapes.family, num_layers=shapes.family.num_layers(shapes.hf_config))
+    adapter = adapter_from_checkpoint(
+        tree, metadata, base=recorded, family=shapes.family, num_layers=shapes.family.num_layers(shapes.hf_config), where=source
+    )
     # The Orbax side may come from anywhere: check it fits --base before writing.
-    peft_to_lora_tree(adapter.modules, shapes.family, shapes.weight_shapes, rank=adapter.hyper.rank)
+    peft_to_lora_tree(adapter.modules, shapes.family, shapes.weight_shapes, rank=adapter.hyper.rank, where=f"the checkpoint at {source}")
     write_adapter_output(adapter, out, merged=merged, base=recorded)
 
 
@@ -125,7 +133,7 @@ def load_peft_as_lora_tree(
     if rank is not None and rank != adapter.hyper.rank:
         raise UserError(f"lora.restoreFrom {adapter_uri} has rank r={adapter.hyper.rank} but lora.rank is {rank}: set lora.rank to {adapter.hyper.rank}")
     shapes = targetable_modules(model, family_spec)
-    tree = peft_to_lora_tree(adapter.modules, family_spec, shapes, rank=adapter.hyper.rank)
+    tree = peft_to_lora_tree(adapter.modules, family_spec, shapes, rank=adapter.hyper.rank, where=_weights(adapter))
     if alpha is not None and not math.isclose(alpha, adapter.hyper.alpha, rel_tol=1e-12):
         factor = np.float32(adapter.hyper.alpha / alpha)
         log.info("restoreFrom %s: adapter alpha %s, run alpha %s: rescaling lora_b by %s", adapter_uri, adapter.hyper.alpha, alpha, factor)
@@ -140,6 +148,7 @@ def load_adapter(adapter_uri: str, base: BaseShapes) -> tuple[LoraTree, dict[str
         tree = peft_lora_tree(adapter, base)
         return tree, imported_metadata(adapter, tree, base, adapter.hyper.base_model or "")
     tree, metadata = read_lora(adapter_uri)
+    check_lora_tree(tree, metadata, adapter_uri)
     if metadata["family"] != base.family.name:
         raise UserError(f"the adapter at {adapter_uri} is for a {metadata['family']} model, but the base is {base.family.name}")
     return tree, metadata

@@ -17,6 +17,7 @@ from lora_trainer.adapters.mapping import lora_tree_to_peft, peft_target_modules
 from lora_trainer.adapters.merge import merge_adapter_into_checkpoint
 from lora_trainer.adapters.peft_format import LoraHyper, PeftLoraAdapter, write_peft_adapter
 from lora_trainer.checkpoint import read_lora
+from lora_trainer.checkpoint_metadata import check_lora_tree
 from lora_trainer.errors import UserError
 from lora_trainer.models import FamilySpec, family_of_checkpoint
 
@@ -28,22 +29,26 @@ def adapter_from_checkpoint(
     base: str | None = None,
     family: FamilySpec | None = None,
     num_layers: int | None = None,
+    where: str = "the checkpoint",
 ) -> PeftLoraAdapter:
-    """The PEFT form of a checkpoint's LoRA tree; refuses non-finite values, naming the module.
+    """The PEFT form of a checkpoint's LoRA tree; refuses one its metadata does not describe
+    (`check_lora_tree`) or with non-finite values, naming the module.
 
     HF module names are those of the family the metadata records, or of `family` (a given base's).
     The base's layer count (`num_layers`, else the metadata's `numLayers`, absent in older
     checkpoints) lets `target_modules` name exactly the modules of an adapter on some layers only.
+    Errors start with `where`, which names the checkpoint.
     """
+    check_lora_tree(tree, metadata, where)
     for path, params in tree.items():
         for name, arr in params.items():
             if not np.isfinite(np.asarray(arr, dtype=np.float32)).all():
                 raise UserError(
-                    f"LoRA parameter {path}/{name} of step {metadata.get('step')} holds NaN or Inf (training diverged): "
+                    f"{where}: LoRA parameter {path}/{name} of step {metadata.get('step')} holds NaN or Inf (training diverged): "
                     "export an earlier step with --step, or lower the learning rate and retrain"
                 )
     family = family or family_of_checkpoint(metadata)
-    modules = lora_tree_to_peft(tree, family)
+    modules = lora_tree_to_peft(tree, family, where)
     hyper = LoraHyper(
         rank=int(metadata["rank"]),
         alpha=float(metadata["alpha"]),
@@ -75,5 +80,5 @@ def export_checkpoint(checkpoint: str, out: str, *, step: int | None = None, mer
     safetensors + index + config and tokenizer files.
     """
     tree, metadata = read_lora(checkpoint, step)
-    adapter = adapter_from_checkpoint(tree, metadata, base=None if base is None else storage.absolute_uri(base))
+    adapter = adapter_from_checkpoint(tree, metadata, base=None if base is None else storage.absolute_uri(base), where=checkpoint)
     write_adapter_output(adapter, out, merged=merged, base=adapter.hyper.base_model)

@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import einops
 import numpy as np
 
 from lora_trainer.adapters.peft_format import KEY_PREFIX
@@ -28,21 +29,28 @@ def _known_modules(family: FamilySpec) -> str:
     return ", ".join(t.hf.replace("{i}", "N") for t in family.lora_targets)
 
 
-def lora_tree_to_peft(tree: Mapping[str, Mapping[str, Any]], family: FamilySpec) -> PeftModules:
-    """`{module_path: {"<w>_lora_a": A, "<w>_lora_b": B}}` -> `{hf_module: (lora_A [r, in], lora_B [out, r])}`."""
+def lora_tree_to_peft(tree: Mapping[str, Mapping[str, Any]], family: FamilySpec, where: str = "the checkpoint") -> PeftModules:
+    """`{module_path: {"<w>_lora_a": A, "<w>_lora_b": B}}` -> `{hf_module: (lora_A [r, in], lora_B [out, r])}`.
+
+    Errors start with `where`, which names the checkpoint.
+    """
     modules: PeftModules = {}
     for path, params in sorted(tree.items()):
         try:
             target, layer = family.target_for_path(path)
         except KeyError:
             raise UserError(
-                f"the checkpoint has LoRA parameters for {path!r}, which is not a LoRA-targetable module of family "
+                f"{where} has LoRA parameters for {path!r}, which is not a LoRA-targetable module of family "
                 f"{family.name}; it cannot be expressed as an HF PEFT adapter"
             ) from None
         names = (f"{target.weight_name}_lora_a", f"{target.weight_name}_lora_b")
         if set(params) != set(names):
-            raise UserError(f"the checkpoint's LoRA parameters for {path!r} are {sorted(params)}, expected {list(names)}")
-        a, b = target.to_peft(np.asarray(params[names[0]]), np.asarray(params[names[1]]))
+            raise UserError(f"{where}: the LoRA parameters for {path!r} are {sorted(params)}, expected {list(names)}")
+        try:
+            a, b = target.to_peft(np.asarray(params[names[0]]), np.asarray(params[names[1]]))
+        except einops.EinopsError as e:
+            shapes = [list(np.shape(params[n])) for n in names]
+            raise UserError(f"{where}: the LoRA parameters for {path!r} have shapes {shapes}, which a {family.name} {target.hf} cannot have ({e})") from e
         modules[expand(target.hf, layer)] = (a, b)  # transposed views; safetensors writes them in C order
     return modules
 
@@ -53,11 +61,13 @@ def peft_to_lora_tree(
     weight_shapes: Mapping[str, tuple[int, ...]],
     *,
     rank: int,
+    where: str = "the adapter",
 ) -> LoraTree:
     """PEFT modules -> the trainer's LoRA tree, checked against the base model's weight shapes.
 
     `weight_shapes` is `{module_path: NNX weight shape}` of every LoRA-targetable module of
-    the base model (`lora_trainer.lora.targetable_modules` of the abstract model).
+    the base model (`lora_trainer.lora.targetable_modules` of the abstract model); errors start
+    with `where`, which names the adapter's file.
     """
     tree: LoraTree = {}
     for hf_module, (peft_a, peft_b) in sorted(modules.items()):
@@ -65,13 +75,13 @@ def peft_to_lora_tree(
             target, layer = family.target_for_hf_module(hf_module)
         except KeyError:
             raise UserError(
-                f"adapter tensor {KEY_PREFIX}{hf_module}.lora_A.weight targets {hf_module!r}, which the {family.name} "
+                f"{where}: adapter tensor {KEY_PREFIX}{hf_module}.lora_A.weight targets {hf_module!r}, which the {family.name} "
                 f"mapping does not know; LoRA-targetable modules are: {_known_modules(family)}"
             ) from None
         path = expand(target.nnx, layer)
         if path not in weight_shapes:
             raise UserError(
-                f"adapter tensor {KEY_PREFIX}{hf_module}.lora_A.weight targets layer {layer}, but the base model has "
+                f"{where}: adapter tensor {KEY_PREFIX}{hf_module}.lora_A.weight targets layer {layer}, but the base model has "
                 f"{len({p.split('/')[1] for p in weight_shapes})} layers: the adapter was made for a different base model"
             )
         weight_shape = weight_shapes[path]
@@ -82,7 +92,7 @@ def peft_to_lora_tree(
         ):
             if tuple(got) != want:
                 raise UserError(
-                    f"adapter tensor {KEY_PREFIX}{hf_module}.{key}.weight has shape {list(got)} but the base model's "
+                    f"{where}: adapter tensor {KEY_PREFIX}{hf_module}.{key}.weight has shape {list(got)} but the base model's "
                     f"{hf_module} needs {list(want)} (r={rank}, weight [out={out_dim}, in={in_dim}]): the adapter does "
                     "not fit this base model"
                 )

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from lora_trainer import storage
 from lora_trainer.adapters.peft_format import PeftLoraAdapter
 from lora_trainer.errors import UserError
 from lora_trainer.models.registry import FAMILIES, get_family
@@ -114,6 +115,8 @@ def merge_adapter_into_checkpoint(
     name a weight of the base (`<module>.weight`), else a UserError names it.
     """
     base = SafetensorsCheckpoint(base_dir)
+    # Checked before any work, as every copy checks names and links (a link to a file elsewhere would be carried along).
+    extras = [n for n in storage.local_files(base_dir) if "/" not in n and n != INDEX_FILE and not n.endswith(_WEIGHT_SUFFIXES)]
     keys = set(base.keys())
     pending: Mapping[str, tuple[np.ndarray, np.ndarray]] = {stored_weight_key(m, keys): ab for m, ab in adapter.modules.items()}
     unmerged = sorted(set(pending) - keys)
@@ -132,6 +135,5 @@ def merge_adapter_into_checkpoint(
             weight = merged_weight(weight, a, b, adapter.hyper.scale)
         writer.add(key, weight)
     writer.finish()
-    for p in sorted(base_dir.iterdir()):
-        if p.is_file() and p.name != INDEX_FILE and not p.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(p, out_dir / p.name)
+    for name in extras:
+        shutil.copy2(base_dir / name, out_dir / name)

@@ -31,7 +31,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from lora_trainer import storage
-from lora_trainer.errors import UserError
+from lora_trainer.errors import UserError, shown
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -73,9 +73,29 @@ class PeftLoraAdapter:
 
     hyper: LoraHyper
     modules: Mapping[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    source: str | None = None
+    """Where it was read from (a directory or URI), for errors about its tensors; None for one made here."""
 
 
-def _config_error(path: Path, what: str) -> UserError:
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+#: The types of the keys `parse_config` reads whose type it does not check itself (null counts as absent).
+_TYPES: dict[str, tuple[Any, str]] = {
+    "peft_type": (lambda v: isinstance(v, str), "a string (LORA)"),
+    "bias": (lambda v: isinstance(v, str), "a string (none)"),
+    "target_modules": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, str) for t in v)),
+                       "a list of module names or one regex (strings)"),
+    "base_model_name_or_path": (lambda v: isinstance(v, str), "a string"),
+    "use_dora": (_is_bool, "true or false"),
+    "use_rslora": (_is_bool, "true or false"),
+    "lora_bias": (_is_bool, "true or false"),
+    "fan_in_fan_out": (_is_bool, "true or false"),
+}
+
+
+def _config_error(path: Path | str, what: str) -> UserError:
     return UserError(f"{path}: {what}")
 
 
@@ -83,11 +103,14 @@ def _nonempty(value: Any) -> bool:
     return value not in (None, False, "", [], {}, ())
 
 
-def parse_config(raw: Mapping[str, Any], path: Path) -> LoraHyper:
+def parse_config(raw: Mapping[str, Any], path: Path | str) -> LoraHyper:
     """Check an `adapter_config.json` for features a plain LoRA cannot express and normalise it.
 
     `path` is only used to name the file in errors.
     """
+    for key, (test, what) in _TYPES.items():
+        if raw.get(key) is not None and not test(raw[key]):
+            raise _config_error(path, f"{key} is {shown(raw[key])}, expected {what}")
     peft_type = str(raw.get("peft_type", "")).upper()
     if peft_type != "LORA":
         raise _config_error(
@@ -133,17 +156,17 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> LoraHyper:
 
     r = raw.get("r")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise _config_error(path, f"r must be a positive integer, got {r!r}")
+        raise _config_error(path, f"r must be a positive integer, got {shown(r)}")
     alpha = raw.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0 or not math.isfinite(alpha):
-        raise _config_error(path, f"lora_alpha must be a positive number, got {alpha!r}")
+        raise _config_error(path, f"lora_alpha must be a positive number, got {shown(alpha)}")
     alpha = float(alpha)
     if raw.get("use_rslora"):
         # PEFT scales rsLoRA by alpha / sqrt(r); an alpha of alpha * sqrt(r) gives the same scale under alpha / r.
         alpha = alpha * math.sqrt(r)
     dropout = raw.get("lora_dropout", 0.0) or 0.0
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
-        raise _config_error(path, f"lora_dropout must be a number in [0, 1), got {dropout!r}")
+        raise _config_error(path, f"lora_dropout must be a number in [0, 1), got {shown(dropout)}")
     targets = raw.get("target_modules") or ()
     if isinstance(targets, str):  # PEFT allows one regex; the tensors say which modules it matched.
         targets = ()
@@ -194,20 +217,20 @@ def config_json(hyper: LoraHyper) -> dict[str, Any]:
     }
 
 
-def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+def _read_tensors(path: Path, name: str) -> dict[str, np.ndarray]:
     """All tensors of a safetensors file, as read-only views of one memory map of it.
 
     Why not `safe_open(...).get_tensor`: it copies every tensor into fresh memory, a pass
     over the whole adapter that the conversion then copies once more into its own layout.
     `safe_open` still checks the file first (header, offsets, size), so a truncated or
-    corrupt file is a UserError naming it before any view is made.
+    corrupt file is a UserError naming it (`name`: where it came from) before any view is made.
     """
     try:
         with safe_open(str(path), framework="np"):
             pass
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(
-            f"{path} is not a readable safetensors file ({e}); it may be truncated or corrupt: copy it again"
+            f"{name} is not a readable safetensors file ({e}); it may be truncated or corrupt: copy it again"
         ) from e
     data = np.memmap(path, dtype=np.uint8, mode="r")
     (header_len,) = struct.unpack("<Q", data[:8].tobytes())
@@ -217,7 +240,7 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
     for key, info in header.items():
         if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise UserError(f"{path}: tensor {key!r} has dtype {info['dtype']}, expected a floating-point dtype")
+            raise UserError(f"{name}: tensor {key!r} has dtype {info['dtype']}, expected a floating-point dtype")
         begin, end = info["data_offsets"]
         tensors[key] = data[start + begin : start + end].view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
     return tensors
@@ -236,7 +259,7 @@ def _unexpected_key(key: str) -> str:
             "LoRA, biases, DoRA magnitudes and saved full modules are not supported")
 
 
-def group_modules(tensors: Mapping[str, np.ndarray], hyper: LoraHyper, path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def group_modules(tensors: Mapping[str, np.ndarray], hyper: LoraHyper, path: Path | str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Pair `lora_A`/`lora_B` tensors per module and check names, ranks and values."""
     halves: dict[str, dict[str, np.ndarray]] = {}
     for key, arr in tensors.items():
@@ -267,28 +290,32 @@ def group_modules(tensors: Mapping[str, np.ndarray], hyper: LoraHyper, path: Pat
     return modules
 
 
-def read_peft_adapter(directory: Path) -> PeftLoraAdapter:
-    """Read and validate the PEFT adapter in a local directory."""
-    config_path = directory / CONFIG_NAME
-    weights_path = directory / WEIGHTS_NAME
+def read_peft_adapter(directory: Path, source: str | None = None) -> PeftLoraAdapter:
+    """Read and validate the PEFT adapter in a local directory; errors name its files under `source`
+    (the URI it was downloaded from; default the directory)."""
+    source = source or str(directory)
+    config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    config_name, weights_name = storage.join(source, CONFIG_NAME), storage.join(source, WEIGHTS_NAME)
     if not config_path.is_file():
         raise UserError(
-            f"{config_path} does not exist: an HF PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}"
+            f"{config_name} does not exist: an HF PEFT adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME}"
         )
     try:
-        raw = json.loads(config_path.read_text())
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{config_path} is not valid JSON ({e})") from e
+        raise UserError(f"{config_name} is not valid UTF-8 JSON ({e})") from e
+    except RecursionError as e:  # Python's parser recurses per nesting level
+        raise UserError(f"{config_name} is nested too deeply to be an adapter config") from e
     if not isinstance(raw, dict):
-        raise UserError(f"{config_path} must hold a JSON object")
-    hyper = parse_config(raw, config_path)
+        raise UserError(f"{config_name} holds a JSON {type(raw).__name__}, not the object an adapter config is")
+    hyper = parse_config(raw, config_name)
     if not weights_path.is_file():
         hint = " (pickled adapter_model.bin files are not read: re-save with safe_serialization=True)" if (
             directory / "adapter_model.bin"
         ).exists() else ""
-        raise UserError(f"{weights_path} does not exist{hint}")
-    modules = group_modules(_read_tensors(weights_path), hyper, weights_path)
-    return PeftLoraAdapter(hyper=hyper, modules=modules)
+        raise UserError(f"{weights_name} does not exist{hint}")
+    modules = group_modules(_read_tensors(weights_path, weights_name), hyper, weights_name)
+    return PeftLoraAdapter(hyper=hyper, modules=modules, source=source)
 
 
 def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:

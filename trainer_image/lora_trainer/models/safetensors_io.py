@@ -14,6 +14,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from lora_trainer import storage
 from lora_trainer.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -95,7 +96,7 @@ class SafetensorsCheckpoint:
         self._headers: dict[str, tuple[dict, int]] = {}
         self._where: dict[str, str] = {}
         for name in files:
-            path = directory / name
+            path = directory / storage.confined_name(name, str(directory))  # the index names files: keep them inside
             if not path.is_file():
                 raise UserError(f"{path} is listed in {INDEX_FILE} but missing: re-upload the checkpoint")
             self._headers[name] = _header(path)
