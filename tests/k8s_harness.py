@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -44,9 +45,11 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "operator"))
 from crdcheck import validate  # noqa: E402
+from jobset_controller import PodEnd, after_pod_failure  # noqa: E402
 
 from lora_operator.handlers import build_registry  # noqa: E402
 from lora_operator.kube import Kube  # noqa: E402
+from lora_operator.metrics import OperatorMetrics  # noqa: E402
 from lora_operator.runner import operate  # noqa: E402
 from lora_operator.settings import OperatorSettings  # noqa: E402
 
@@ -64,6 +67,7 @@ BUILTINS = [
     ("v1/secrets", "Secret", True, set()),
     ("batch/v1/jobs", "Job", True, {"status"}),
     ("jobset.x-k8s.io/v1alpha2/jobsets", "JobSet", True, {"status"}),
+    ("coordination.k8s.io/v1/leases", "Lease", True, set()),
 ]
 PATHS = {
     "LoraFinetune": "/apis/lora-operator.dev/v1alpha1/namespaces/{ns}/lorafinetunes",
@@ -73,6 +77,7 @@ PATHS = {
     "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
     "Secret": "/api/v1/namespaces/{ns}/secrets",
     "Event": "/api/v1/namespaces/{ns}/events",
+    "Lease": "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases",
 }
 PLURAL_OF_KIND = {"LoraFinetune": "lorafinetunes", "AdapterConversion": "adapterconversions"}
 _RUN_USAGE: set[tuple[str, str]] = set()
@@ -278,9 +283,10 @@ class Harness:
         that only waits for states would not notice."""
         return list(self._errors.messages)
 
-    async def start_operator(self, settings: OperatorSettings | None = None) -> None:
+    async def start_operator(self, settings: OperatorSettings | None = None, *, metrics: OperatorMetrics | None = None) -> None:
         """Run the real operator until `stop_operator`, in its own thread and event loop: kopf
-        cancels every task created after its start when it stops, so it cannot share the test's loop."""
+        cancels every task created after its start when it stops, so it cannot share the test's loop.
+        `metrics`: the operator's Prometheus registry, for a test to read (else a private one)."""
         settings = settings or harness_settings()
         registry = build_registry(settings)
         url = self.url
@@ -295,7 +301,7 @@ class Harness:
 
         def run() -> None:
             try:
-                asyncio.run(operate(settings, kube, registry, stop_flag=self._stop, ready_flag=ready))
+                asyncio.run(operate(settings, kube, registry, stop_flag=self._stop, ready_flag=ready, metrics=metrics))
             except BaseException as e:  # reported by stop_operator
                 self._failure = e
 
@@ -307,6 +313,26 @@ class Harness:
         self._operator.start()
         if not await asyncio.to_thread(ready.wait, 30):
             raise AssertionError(f"the operator did not become ready within 30s ({self._failure!r})")
+
+    def kubeconfig(self, directory: Path) -> Path:
+        """A kubeconfig file for the emulator, for `lora-operator run` processes."""
+        path = directory / "kubeconfig"
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+            "clusters": [{"name": "emu", "cluster": {"server": self.url}}], "users": [{"name": "emu", "user": {}}],
+            "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": "default"}}],
+        }))
+        return path
+
+    def operator_process(self, directory: Path, args: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:
+        """`lora-operator run ARGS` as a real process against the emulator (stderr to `log`). PYTHONPATH
+        passes through: the operator under test is the checkout's, not an installed one."""
+        return subprocess.Popen(
+            [sys.executable, "-m", "lora_operator.cli", "run", *args],
+            env={"KUBECONFIG": str(self.kubeconfig(directory)), "PATH": "/usr/bin:/bin", "HOME": str(directory),
+                 **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}, **env},
+            stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=ROOT,
+        )
 
     def kube(self) -> Kube:
         """The operator's own API client (`lora_operator.kube.Kube`), pointed at the emulator."""
@@ -455,17 +481,30 @@ class Harness:
 
     # --- controller emulation -------------------------------------------------------------
 
-    async def jobset_running(self, name: str, namespace: str = "default", *, restarts: int = 0) -> None:
-        """JobSet controller: all replicated Jobs active."""
+    async def jobset_running(self, name: str, namespace: str = "default", *, restarts: int = 0, counted: int | None = None) -> None:
+        """JobSet controller: all replicated Jobs active, after `restarts` restarts of which `counted`
+        (default: all) count toward maxRestarts."""
         js = await self.wait_for(lambda: self.get("JobSet", name, namespace), what=f"JobSet {name}")
         assert js is not None
         rj = js["spec"]["replicatedJobs"][0]
         await self.patch_status("JobSet", name, {
             "restarts": restarts,
-            "restartsCountTowardsMax": restarts,
+            "restartsCountTowardsMax": restarts if counted is None else counted,
             "replicatedJobsStatus": [{"name": rj["name"], "active": rj["replicas"], "ready": rj["replicas"],
                                       "succeeded": 0, "failed": 0, "suspended": 0}],
         }, namespace)
+
+    async def pod_ended(self, name: str, pod: PodEnd, namespace: str = "default") -> dict[str, Any]:
+        """Job and JobSet controllers: a trainer pod of JobSet `name` ended as `pod`; the JobSet's status
+        follows from the failure policies the operator rendered into it (see jobset_controller).
+        Returns the status patch (a restart leaves no Job active until the pods are back)."""
+        js = await self.wait_for(lambda: self.get("JobSet", name, namespace), what=f"JobSet {name}")
+        patch = after_pod_failure(js, pod)
+        if "conditions" not in patch:
+            rj = js["spec"]["replicatedJobs"][0]
+            patch["replicatedJobsStatus"] = [{"name": rj["name"], "active": 0, "ready": 0, "succeeded": 0, "failed": 0, "suspended": 0}]
+        await self.patch_status("JobSet", name, patch, namespace)
+        return patch
 
     async def jobset_condition(self, name: str, ctype: str, reason: str, message: str, namespace: str = "default", **extra: Any) -> None:
         """JobSet controller: terminal condition (Completed/Failed) with its terminalState."""

@@ -16,6 +16,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--namespace", "-n", action="append", default=[], help="namespace to watch (repeatable; default: all)")
     r.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
     r.add_argument("--settings", default=None, help="operator settings YAML (images allowlist, defaults)")
+    r.add_argument("--metrics-port", type=int, default=8081, help="port of the Prometheus /metrics endpoint (0: none)")
 
     rd = sub.add_parser("render", help="print every child object of a CR as YAML, like `helm template`")
     rd.add_argument("-f", "--filename", required=True, help="LoraFinetune or AdapterConversion manifest")
@@ -49,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         from lora_operator.runner import run_operator
 
-        return run_operator(namespaces=args.namespace, liveness=args.liveness, settings_path=args.settings)
+        return run_operator(namespaces=args.namespace, liveness=args.liveness, settings_path=args.settings,
+                            metrics_port=args.metrics_port)
     if args.command == "docs":
         from lora_operator.refdocs import check_or_write as write_docs
 

@@ -44,6 +44,7 @@ PLURALS = {
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobsets",
     (API_VERSION, "LoraFinetune"): "lorafinetunes",
     (API_VERSION, "AdapterConversion"): "adapterconversions",
+    ("coordination.k8s.io/v1", "Lease"): "leases",
 }
 
 
@@ -173,12 +174,19 @@ class Kube:
         """Replace the object's finalizers if it has not changed since `obj` was read (a JSON patch
         whose `test` fails otherwise, 409 or 422), so another controller's finalizer is never lost."""
         meta = obj["metadata"]
-        patch = [
+        return self.json_patch(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], [
             {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
             {"op": "add", "path": "/metadata/finalizers", "value": finalizers},
-        ]
-        return self._call("PATCH", _path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]), patch,
-                          content_type="application/json-patch+json")
+        ])
+
+    def json_patch(self, api_version: str, kind: str, namespace: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        """An RFC 6902 patch; a `test` op on /metadata/resourceVersion makes it conditional (409 or 422 when stale)."""
+        return self._call("PATCH", _path(api_version, kind, namespace, name), ops, content_type="application/json-patch+json")
+
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Create; any non-2xx answer (409 when the name exists) raises ApiException."""
+        meta = manifest["metadata"]
+        return self._call("POST", _path(manifest["apiVersion"], manifest["kind"], meta["namespace"]), manifest)
 
     def post_event(self, owner: dict[str, Any], *, type: str, reason: str, message: str, key: str) -> bool:
         """Post an Event on `owner` named from its uid and `key`: once per key, however often it is

@@ -123,6 +123,8 @@ def progress_status(record: dict[str, Any], total_steps: int) -> dict[str, Any]:
         out["loss"] = loss
     if (tps := _fmt(record.get("tokensPerSecond"), 4)) is not None:
         out["tokensPerSecond"] = tps
+    if (mfu := _fmt(record.get("mfu"), 3)) is not None:
+        out["mfu"] = mfu
     # Strings from the record are the trainer's: bounded as the status schema bounds them.
     if isinstance(record.get("eta"), str) and len(record["eta"]) <= MAX_SHORT:
         out["eta"] = record["eta"]

@@ -147,8 +147,8 @@ def adopt(cr: Manifest, child: Manifest, record: Status, created: tuple[str, str
 
 def status_ops(cr: Manifest, obs: st.Observation, now: str, *, events: bool = True, **fields: Any) -> list[Op]:
     """The one way a decision changes a CR's status: the patch that moves it to `obs` (and
-    `fields`), when it changes anything, after the events that say so (a phase change, a restart),
-    each keyed so that a repeated decision posts it once."""
+    `fields`), when it changes anything, after the events that say so (a phase change, a restart,
+    each preemption), each keyed so that a repeated decision posts it once."""
     current = cr.get("status") or {}
     gen = cr["metadata"].get("generation")
     patch = st.status_patch(current, obs, gen, now, **fields)
@@ -157,10 +157,17 @@ def status_ops(cr: Manifest, obs: st.Observation, now: str, *, events: bool = Tr
     ops: list[Op] = []
     if events and current.get("phase") != obs.phase:
         ops.append(PostEvent("Warning" if obs.phase == "Failed" else "Normal", obs.reason, obs.message,
-                             f"phase/{obs.phase}/{obs.reason}/{obs.restarts or 0}/{gen}"))
+                             f"phase/{obs.phase}/{obs.reason}/{obs.restarts or 0}/{obs.preemptions or 0}/{gen}"))
     if events and (obs.restarts or 0) > (current.get("restarts") or 0):
-        ops.append(PostEvent("Warning", "Restarted", f"the JobSet restarted (restart {obs.restarts}); training resumes from "
+        ops.append(PostEvent("Warning", "Restarted", f"the JobSet restarted (restart {obs.restarts} of spec.maxRestarts "
+                                                     f"{(cr.get('spec') or {}).get('maxRestarts')}); training resumes from "
                                                      "the last checkpoint", f"restart/{obs.restarts}"))
+    if events:
+        ops += [PostEvent("Normal", "Preempted", f"preemption {n}: a trainer pod was preempted, evicted or its node shut down "
+                                                 "(or it saved on SIGTERM); the JobSet restarted without counting toward "
+                                                 "spec.maxRestarts and training resumes from the last committed checkpoint",
+                          f"preemption/{n}")
+                for n in range((current.get("preemptions") or 0) + 1, (obs.preemptions or 0) + 1)]
     return [*ops, WriteStatus(patch)]
 
 

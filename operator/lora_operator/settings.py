@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from lora_operator.api import DNS_LABEL, DNS_SUBDOMAIN, Image, ObjectName, Resources, TpuType
 from lora_operator.images import BadImage, ImageRule, image_allowed
@@ -23,6 +23,32 @@ from lora_trainer.config import ApiModel, validation_problems
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/lora-operator/lora-trainer:0.1.0"
 DEFAULT_IMAGE_REPOSITORY = "ghcr.io/lora-operator/lora-trainer"
+
+
+class LeaderElection(ApiModel):
+    """Several operator replicas, one reconciling: who leads is recorded in a Lease."""
+
+    enabled: bool = False
+    """Elect a leader (the chart turns it on with `replicaCount` above 1); off, the operator reconciles alone."""
+    lease_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)] = "lora-operator"
+    """Name of the Lease."""
+    lease_namespace: Annotated[str, Field(pattern=DNS_LABEL, max_length=63)] = "default"
+    """Namespace of the Lease (the chart sets the release namespace)."""
+    lease_duration_seconds: Annotated[float, Field(gt=0, le=300)] = 15
+    """How long a candidate waits after the Lease last changed before it takes over."""
+    renew_deadline_seconds: Annotated[float, Field(gt=0, le=300)] = 10
+    """How long the leader keeps reconciling without a successful renewal."""
+    retry_period_seconds: Annotated[float, Field(gt=0, le=60)] = 2
+    """How often the leader renews and a candidate retries."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LeaderElection:
+        if not self.retry_period_seconds < self.renew_deadline_seconds < self.lease_duration_seconds:
+            raise ValueError(
+                "leaderElection needs retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds, so a leader "
+                "stops before another can take over"
+            )
+        return self
 
 
 class OperatorSettings(ApiModel):
@@ -74,6 +100,8 @@ class OperatorSettings(ApiModel):
     """Kueue topology-aware scheduling of every run's pods (`mode` required or preferred, `level` a node label); none when empty."""
     pod_template_overlay: PodTemplateOverlay = Field(default_factory=PodTemplateOverlay)
     """Node selectors, tolerations, volumes, volume mounts, annotations and labels added to every trainer pod (never to a CR's say)."""
+    leader_election: LeaderElection = Field(default_factory=LeaderElection)
+    """Lease-based leader election, for several operator replicas of which exactly one reconciles."""
 
     @field_validator("allowed_images")
     @classmethod

@@ -1,6 +1,8 @@
-"""JobSet/Job status -> CR phase, conditions, restarts and times. Pure functions.
+"""JobSet/Job status -> CR phase, conditions, restarts, preemptions and times. Pure functions.
 
-The JobSet controller reports `conditions` (Completed, Failed, Suspended), `restarts` and
+The JobSet controller reports `conditions` (Completed, Failed, Suspended), `restarts` (all
+of them), `restartsCountTowardsMax` (those its `RestartJobSet` action made, i.e. not the
+preemptions that `lora_operator.failure` restarts with `RestartJobSetAndIgnoreMaxRestarts`) and
 per-replicatedJob counts; the Job controller reports `conditions` (Complete, Failed), `active`,
 `startTime`, `completionTime`. These functions turn them into what a person reads in
 `kubectl get lft`: one phase and metav1.Conditions whose reason is CamelCase and whose
@@ -34,8 +36,19 @@ class Observation:
     reason: str
     message: str
     restarts: int | None = None
+    """Restarts counted toward spec.maxRestarts (None: unknown here, the status keeps its value)."""
+    preemptions: int | None = None
+    """Restarts after a preemption, not counted (None: unknown here)."""
     start_time: str | None = None
     completion_time: str | None = None
+
+
+def restart_counts(status: dict[str, Any]) -> tuple[int, int]:
+    """(counted restarts, preemptions) from a JobSet status. A JobSet controller older than v0.10
+    reports no `restartsCountTowardsMax`: then every restart counted."""
+    total = int(status.get("restarts") or 0)
+    counted = int(status.get("restartsCountTowardsMax", total) or 0)
+    return counted, max(0, total - counted)
 
 
 def _true_condition(status: dict[str, Any], ctype: str) -> dict[str, Any] | None:
@@ -64,36 +77,38 @@ def observe_jobset(jobset: dict[str, Any], *, requested_suspend: bool = False) -
     resume by a moment, and read as suspension it made every resumed run look queued by Kueue."""
     status = jobset.get("status") or {}
     name = jobset.get("metadata", {}).get("name", "")
-    restarts = int(status.get("restarts") or 0)
+    restarts, preemptions = restart_counts(status)
+    counts = {"restarts": restarts, "preemptions": preemptions}
     logs = f"kubectl logs -l jobset.sigs.k8s.io/jobset-name={name} -c trainer"
     if c := _true_condition(status, "Failed"):
         reason = c.get("reason") or "JobSetFailed"
         detail = c.get("message") or "the JobSet failed"
         if reason == "ReachedMaxRestarts":
-            hint = (f"the run was restarted {restarts} times (preemptions or retriable faults); "
-                    f"inspect `{logs}` and recreate the LoraFinetune with a larger spec.maxRestarts if the faults were transient")
+            hint = (f"the run was restarted {restarts} times after retriable faults (exit 42, or killed without a "
+                    f"preemption; the {preemptions} preemptions did not count); inspect `{logs}` and recreate the "
+                    "LoraFinetune with a larger spec.maxRestarts if the faults were transient")
         else:
             hint = (f"a trainer pod exited with a non-retriable code (3 = bad config, model or data); "
                     f"read `{logs}`, fix the spec and create a new LoraFinetune")
-        return Observation("Failed", "TrainingFailed", f"{detail} ({reason}): {hint}", restarts,
+        return Observation("Failed", "TrainingFailed", f"{detail} ({reason}): {hint}", **counts,
                            completion_time=c.get("lastTransitionTime"))
     if c := _true_condition(status, "Completed"):
-        return Observation("Exporting", "TrainingCompleted", "training finished; exporting the adapter", restarts,
+        return Observation("Exporting", "TrainingCompleted", "training finished; exporting the adapter", **counts,
                            completion_time=c.get("lastTransitionTime"))
     if (jobset.get("spec") or {}).get("suspend"):
         if requested_suspend:
-            return Observation("Suspended", "Suspended", "the JobSet is suspended; set spec.suspend to false to resume from the last checkpoint", restarts)
+            return Observation("Suspended", "Suspended", "the JobSet is suspended; set spec.suspend to false to resume from the last checkpoint", **counts)
         queue = kueue_queue(jobset)
         if queue is None:  # no Kueue holds it: the operator is resuming it (spec.suspend is false)
-            return Observation("Pending", "Resumed", RESUMED, restarts)
+            return Observation("Pending", "Resumed", RESUMED, **counts)
         return Observation("Pending", "WaitingForAdmission",
-                           f"the JobSet is suspended until Kueue admits it from LocalQueue {queue}; check `kubectl get workloads` for quota", restarts)
+                           f"the JobSet is suspended until Kueue admits it from LocalQueue {queue}; check `kubectl get workloads` for quota", **counts)
     jobs = status.get("replicatedJobsStatus") or []
     if any((j.get("active") or 0) + (j.get("ready") or 0) > 0 for j in jobs):
-        return Observation("Running", "TrainingRunning", "trainer pods are running", restarts)
+        return Observation("Running", "TrainingRunning", "trainer pods are running", **counts)
     return Observation(
         "Pending", "WaitingForPods",
-        "waiting for TPU nodes and pods to start (check Kueue admission and node pool capacity if this lasts)", restarts,
+        "waiting for TPU nodes and pods to start (check Kueue admission and node pool capacity if this lasts)", **counts,
     )
 
 
@@ -198,6 +213,8 @@ def status_patch(
         patch["observedGeneration"] = generation
     if obs.restarts is not None:
         patch["restarts"] = obs.restarts
+    if obs.preemptions is not None:
+        patch["preemptions"] = obs.preemptions
     if not current.get("startTime") and (obs.start_time or obs.phase == "Running"):
         patch["startTime"] = obs.start_time or now
     if obs.phase in TERMINAL:

@@ -250,6 +250,7 @@ async def test_every_child_refused_at_admission_fails_its_resource():
         await h.create(lft("run-x", output="gs://runs-bucket/run-x"))
         await h.jobset_condition("run-x", "Completed", "AllJobsCompleted", "jobset completed successfully")
         await h.wait_for_status("LoraFinetune", "run-x", _phase("Exporting"))
+        await h.wait_for(lambda: h.get("Job", "run-x-export"), what="export Job")  # written Exporting first, then created
         webhook.plural, webhook.refusing = "jobs", True
         await h.delete("Job", "run-x-export")
         message = await _failed_by_webhook(h, "LoraFinetune", "run-x", "ExportFailed", "jobs")

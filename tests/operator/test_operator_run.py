@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
-import yaml
 from gcs_emulator import free_port
 from k8s_harness import Harness, real_cluster
 
@@ -31,22 +29,9 @@ def test_run_refuses_bad_settings(tmp_path, capsys):
 @pytest.mark.timeout(120)
 async def test_operator_process_serves_liveness_and_creates_jobsets(tmp_path):
     async with Harness() as h:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-            "clusters": [{"name": "emu", "cluster": {"server": h.url}}],
-            "users": [{"name": "emu", "user": {}}],
-            "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": "default"}}],
-        }))
         port = free_port()
         log = tmp_path / "operator.log"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lora_operator.cli", "run", "--liveness", f"http://127.0.0.1:{port}/healthz"],
-            # PYTHONPATH passes through: the operator under test is the checkout's, not an installed one.
-            env={"KUBECONFIG": str(kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-                 **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}},
-            stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=ROOT,
-        )
+        proc = h.operator_process(tmp_path, ["--liveness", f"http://127.0.0.1:{port}/healthz", "--metrics-port", "0"], log)
         try:
             async with aiohttp.ClientSession() as s:
                 async def live() -> bool:

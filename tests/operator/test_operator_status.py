@@ -74,8 +74,9 @@ def test_progress_record(tmp_path):
     (tmp_path / "progress.json").write_text("{not json")
     assert read_progress(str(tmp_path)) is None
     (tmp_path / "progress.json").write_text(json.dumps({"step": 7, "totalSteps": 10, "loss": 0.123456, "tokensPerSecond": 99.5,
-                                                         "eta": "3s", "lastCheckpoint": None}))
+                                                         "mfu": 0.41234, "eta": "3s", "lastCheckpoint": None}))
     record = read_progress(str(tmp_path))
     assert progress_status(record, 10) == {"step": 7, "totalSteps": 10, "progress": "7/10", "loss": "0.1235",
-                                           "tokensPerSecond": "99.5", "eta": "3s"}
+                                           "tokensPerSecond": "99.5", "mfu": "0.412", "eta": "3s"}
+    assert "mfu" not in progress_status({"step": 7, "mfu": None}, 10)  # unknown peak: the trainer writes null
     assert progress_status({"step": "7", "loss": True}, 10) == {}

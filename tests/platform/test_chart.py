@@ -39,6 +39,9 @@ CUSTOM_VALUES: dict[str, Any] = {
     "priorityClassName": "platform-critical",
     "nodeSelector": {"cloud.google.com/gke-nodepool": "system"},
     "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "system", "effect": "NoSchedule"}],
+    "replicaCount": 2,
+    "leaderElection": {"leaseDurationSeconds": 20, "renewDeadlineSeconds": 12, "retryPeriodSeconds": 3},
+    "metrics": {"port": 9464},
     "topologyAwareScheduling": {"mode": "required", "level": "cloud.google.com/gce-topology-block"},
     "podTemplateOverlay": {
         "nodeSelector": {"cloud.google.com/gke-nodepool": "tpu-v6e"},
@@ -122,8 +125,16 @@ def test_deployment_runs_one_hardened_operator(rendered: tuple[str, list[dict[st
     values = VALUE_SETS[name]
     deployment = only(objs, "Deployment")
     spec = deployment["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    replicas = values.get("replicaCount", 1)
+    assert spec["replicas"] == replicas
+    if replicas == 1:  # alone: never two pods reconciling at once
+        assert spec["strategy"] == {"type": "Recreate"}
+        assert "affinity" not in spec["template"]["spec"] and not [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    else:  # a leader and standbys: replaced one at a time, spread over nodes, never all drained
+        assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+        anti = spec["template"]["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+        assert anti["podAffinityTerm"]["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+        assert only(objs, "PodDisruptionBudget")["spec"] == {"minAvailable": 1, "selector": spec["selector"]}
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -139,6 +150,13 @@ def test_deployment_runs_one_hardened_operator(rendered: tuple[str, list[dict[st
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert {"name": "health", "containerPort": port, "protocol": "TCP"} in container["ports"]
     assert f"--liveness=http://0.0.0.0:{port}/healthz" in container["args"]
+    metrics_port = values.get("metrics", {}).get("port", 8081)
+    assert f"--metrics-port={metrics_port}" in container["args"]
+    assert {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"} in container["ports"]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    service = only(objs, "Service")
+    assert service["spec"]["selector"] == spec["selector"]["matchLabels"]
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": metrics_port, "targetPort": "metrics", "protocol": "TCP"}]
     assert [a for a in container["args"] if a.startswith("--namespace=")] == [
         f"--namespace={ns}" for ns in values.get("watchNamespaces", [])
     ]
@@ -172,6 +190,8 @@ def test_settings_configmap_is_what_the_operator_parses(rendered: tuple[str, lis
     assert settings.progress_poll_seconds == values["progressPollSeconds"]
     assert settings.job_ttl_seconds_after_finished == values["jobTtlSecondsAfterFinished"]
     assert settings.topology_aware_scheduling.to_wire() == values["topologyAwareScheduling"]
+    assert settings.leader_election.to_wire() == {"enabled": True, "leaseName": RELEASE, "leaseNamespace": NAMESPACE,
+                                                  **values["leaderElection"]}
     assert settings.pod_template_overlay.to_wire() == {"tolerations": [], **values["podTemplateOverlay"]}
 
 
@@ -224,6 +244,8 @@ def test_rbac_has_no_wildcards(rendered: tuple[str, list[dict[str, Any]]]) -> No
         ({"topologyAwareScheduling": {"mode": "required"}}, "topologyAwareScheduling"),
         ({"podTemplateOverlay": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}, "podTemplateOverlay"),
         ({"podTemplateOverlay": {"securityContext": {"privileged": True}}}, "securityContext"),
+        ({"replicaCount": 0}, "replicaCount"),
+        ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "interval"),
     ],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any], needle: str) -> None:
@@ -256,8 +278,31 @@ def test_chart_version_tracks_the_project_version() -> None:
 
 def test_existing_service_account_and_no_rbac() -> None:
     """A platform that manages identities and RBAC itself: the chart creates neither."""
-    objs = render({"serviceAccount": {"create": False, "name": "platform-operator"}, "rbac": {"create": False}})
-    assert {o["kind"] for o in objs} == {"Deployment", "ConfigMap"}
+    objs = render({"serviceAccount": {"create": False, "name": "platform-operator"}, "rbac": {"create": False}, "replicaCount": 2})
+    assert {o["kind"] for o in objs} == {"Deployment", "ConfigMap", "Service", "PodDisruptionBudget"}
     assert only(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "platform-operator"
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmRenderError, match="serviceAccount.name is required"):
         chart.render({"serviceAccount": {"create": False}}, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_a_service_monitor_scrapes_the_metrics_service_when_asked() -> None:
+    assert not [o for o in render({}) if o["kind"] == "ServiceMonitor"]
+    objs = render({"metrics": {"serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "kube-prometheus"}}}})
+    monitor, service = only(objs, "ServiceMonitor"), only(objs, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    assert service["spec"]["ports"][0]["name"] == "metrics"
+
+
+def test_leader_election_rights_are_the_lease_in_the_release_namespace_only() -> None:
+    assert not [o for o in render({}) if o["metadata"]["name"].endswith("leader-election")]
+    objs = render({"replicaCount": 2})
+    role = next(o for o in objs if o["kind"] == "Role")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "patch"]}]
+    binding = next(o for o in objs if o["kind"] == "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"] and binding["metadata"]["namespace"] == NAMESPACE

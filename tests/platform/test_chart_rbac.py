@@ -18,6 +18,7 @@ import pytest
 import k8s_harness
 from k8s_harness import Harness, harness_settings
 from lora_operator.render import render_lora_finetune
+from lora_operator.settings import LeaderElection
 from test_chart import CUSTOM_VALUES, render
 
 pytestmark = pytest.mark.timeout(180)
@@ -56,7 +57,8 @@ async def _lifecycle(h: Harness, tmp_path: Path) -> None:
     # it back to adopt it (the `get` right on ConfigMaps); the JobSet is created.
     config_map, _ = render_lora_finetune(body, harness_settings())
     await h.create(config_map)
-    await h.start_operator()
+    # As one of several replicas (replicaCount > 1): it elects itself leader over a Lease first.
+    await h.start_operator(harness_settings(leader_election=LeaderElection(enabled=True, lease_namespace=NAMESPACE)))
     await h.wait_for_status("LoraFinetune", "rbac-run", lambda s: s.get("phase") == "Pending")
     (output / "progress.json").write_text(json.dumps({"step": 5, "totalSteps": 10, "loss": 1.5, "tokensPerSecond": 100.0, "eta": "1m"}))
     await h.jobset_running("rbac-run")
@@ -102,6 +104,13 @@ def _grants(objs: list[dict[str, Any]], kind: str, namespace: str | None = None)
 
 
 CLUSTER_SCOPED = {"apiextensions.k8s.io/customresourcedefinitions"}
+#: Leader election's Lease: granted in the operator's own (release) namespace, not where runs are.
+LEASES = "coordination.k8s.io/leases"
+RELEASE_NAMESPACE = "lora-system"
+
+
+def _runs(used: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    return {(v, r) for v, r in used if r != LEASES}
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +129,18 @@ def used(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str]]:
 
 def test_the_scenario_exercised_every_kind_of_object(used: set[tuple[str, str]]) -> None:
     resources = {r for _, r in used}
-    assert {"lora-operator.dev/lorafinetunes", "lora-operator.dev/lorafinetunes/status", "jobset.x-k8s.io/jobsets", "batch/jobs", "/configmaps"} <= resources
+    assert {"lora-operator.dev/lorafinetunes", "lora-operator.dev/lorafinetunes/status", "jobset.x-k8s.io/jobsets", "batch/jobs",
+            "/configmaps", LEASES} <= resources
 
 
 def test_cluster_role_allows_everything_the_operator_did(used: set[tuple[str, str]]) -> None:
     granted = _grants(render({}), "ClusterRole")
-    assert sorted(used - granted) == []
+    assert sorted(_runs(used) - granted) == []
+
+
+def test_the_leader_election_role_allows_exactly_what_the_election_did(used: set[tuple[str, str]]) -> None:
+    granted = _grants(render({"replicaCount": 2}), "Role", RELEASE_NAMESPACE)
+    assert granted == {(v, r) for v, r in used if r == LEASES}
 
 
 def test_namespaced_roles_allow_everything_the_operator_did_in_their_namespace(used: set[tuple[str, str]]) -> None:
@@ -133,12 +148,12 @@ def test_namespaced_roles_allow_everything_the_operator_did_in_their_namespace(u
     cluster = _grants(objs, "ClusterRole")
     for ns in (NAMESPACE, "team-b"):
         granted = _grants(objs, "Role", ns)
-        missing = {(v, r) for v, r in used if (v, r) not in (cluster if r in CLUSTER_SCOPED else granted)}
+        missing = {(v, r) for v, r in _runs(used) if (v, r) not in (cluster if r in CLUSTER_SCOPED else granted)}
         assert sorted(missing) == [], f"Role in {ns} lacks rights the operator used"
     assert {r for _, r in cluster} <= CLUSTER_SCOPED, "only discovery reads may stay cluster-wide"
 
 
 def test_nothing_is_granted_that_the_operator_never_used(used: set[tuple[str, str]]) -> None:
     granted = _grants(render({}), "ClusterRole")
-    unused = granted - used - set(GRANTED_WITHOUT_EVIDENCE)
+    unused = granted - _runs(used) - set(GRANTED_WITHOUT_EVIDENCE)
     assert sorted(unused) == [], "drop these rules from charts/lora-operator/templates/_helpers.tpl (or prove they are needed)"

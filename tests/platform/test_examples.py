@@ -81,6 +81,7 @@ def test_qwen3_runs_on_two_v6e_4x4_slices_with_megascale() -> None:
     replicas, job, pod = _slice(objs)
     assert replicas == 2 and job["parallelism"] == 4
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v6e-slice"
+    assert pod["nodeSelector"]["cloud.google.com/gke-spot"] == "true"  # spot capacity, preemptions not counted
     assert {n for n in env_names(by_kind(objs, "JobSet")[0]) if n.startswith("MEGASCALE_")} >= {"MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_COORDINATOR_ADDRESS"}
     hf_token = next(e for e in pod["containers"][0]["env"] if e["name"] == "HF_TOKEN")
     assert hf_token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}

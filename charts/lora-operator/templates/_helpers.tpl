@@ -72,6 +72,10 @@ values map onto it one to one; keys left empty are omitted so the operator's def
 {{- with .Values.podTemplateOverlay }}
 {{- $_ := set $s "podTemplateOverlay" . }}
 {{- end }}
+{{- if gt (int .Values.replicaCount) 1 }}
+{{- $le := dict "enabled" true "leaseName" (include "lora-operator.fullname" .) "leaseNamespace" .Release.Namespace }}
+{{- $_ := set $s "leaderElection" (merge $le .Values.leaderElection) }}
+{{- end }}
 {{- toYaml $s }}
 {{- end }}
 
