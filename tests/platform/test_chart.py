@@ -262,6 +262,8 @@ def test_notes_tell_the_user_what_to_do_next() -> None:
     custom = notes(CUSTOM_VALUES)
     assert "team-a, team-b" in custom and 'LocalQueue "tpu-v6e"' in custom
     assert "serviceAccount.gcpServiceAccount" not in custom
+    assert "Service lora-operator-metrics on port 8081" in default and "get lease" not in default
+    assert "get lease lora-operator" in custom  # two replicas: where to see who leads
 
 
 def test_chart_version_tracks_the_project_version() -> None:
