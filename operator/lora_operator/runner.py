@@ -7,7 +7,8 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 import kopf
 import kubernetes.client
@@ -84,7 +85,7 @@ async def operate(
     failures = FailureLog(metrics)
     logging.getLogger("kopf").addHandler(failures)
     try:
-        def reconcile(flag: object) -> asyncio.Future[None]:
+        def reconcile(flag: object) -> Coroutine[Any, Any, None]:
             return _reconcile(settings, kube, registry, namespaces=namespaces, liveness=liveness, stop_flag=flag, ready_flag=ready_flag)
 
         if not settings.leader_election.enabled:
