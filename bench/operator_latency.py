@@ -103,7 +103,7 @@ async def measure(count: int, timeout: float) -> dict[str, Any]:
         env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         proc = subprocess.Popen(
             [*OPERATOR_CMD, "run", "--settings", str(settings),
-             "--liveness", f"http://127.0.0.1:{port}/healthz"],
+             "--liveness", f"http://127.0.0.1:{port}/healthz", "--metrics-port", str(free_port())],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "operator.log", "w"),
         )
         try:

@@ -109,7 +109,12 @@ def run_operator(*, namespaces: Sequence[str], liveness: str, settings_path: str
     registry = build_registry(settings)
     add_cluster_login(registry)
     metrics = OperatorMetrics()
-    server = metrics.serve(metrics_port) if metrics_port else None
+    try:
+        server = metrics.serve(metrics_port) if metrics_port else None
+    except OSError as e:
+        print(f"lora-operator run: cannot serve /metrics on port {metrics_port} ({e.strerror}); "
+              "pass a free --metrics-port (0: no metrics)", file=sys.stderr)
+        return 2
     try:
         asyncio.run(operate(settings, kube_from_environment(), registry, namespaces=namespaces, liveness=liveness,
                             metrics=metrics, identity=os.environ.get("POD_NAME")))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,14 @@ def test_run_refuses_bad_settings(tmp_path, capsys):
     assert cli_main(["run", "--settings", str(bad)]) == 2
     assert "allowedImages" in capsys.readouterr().err
 
+
+def test_run_says_when_the_metrics_port_is_taken(capsys):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli_main(["run", "--metrics-port", str(port)]) == 2
+    assert f"cannot serve /metrics on port {port}" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -115,3 +124,4 @@ def test_suspended_run_on_a_real_cluster(tmp_path):
         proc.terminate()
         proc.wait(30)
         subprocess.run(["kubectl", "delete", "namespace", ns, "--wait=false"], capture_output=True)
+
