@@ -68,10 +68,16 @@ class FaultProxy:
         """Environment that points every GCS client at the emulator through this proxy."""
         return emulator_env(self.port)
 
-    def add(self, fault: Fault) -> Fault:
+    def add(self, fault: Fault, *, first: bool = False) -> Fault:
+        """Apply `fault` from now on, after the faults already there (or, `first`, before them)."""
         with self._lock:
-            self.faults.append(fault)
+            self.faults.insert(0 if first else len(self.faults), fault)
         return fault
+
+    def clear(self) -> None:
+        """No faults from now on."""
+        with self._lock:
+            self.faults.clear()
 
     def rename(self, stored: str, shown: str) -> None:
         """List and serve the object stored as `stored` under the name `shown` (which the emulator may refuse)."""

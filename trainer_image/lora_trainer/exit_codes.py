@@ -8,9 +8,9 @@ count toward the run's `maxRestarts`.
 
 #: Training (or export/conversion) finished.
 OK = 0
-#: A bad command line or config, bad model files, bad data, bad adapter, out of host or accelerator memory: retrying cannot help. Fail fast.
+#: A bad command line or config, bad model files, data or adapter, a storage location that is missing or refused (a missing bucket or input, 403, a full disk), out of host or accelerator memory: retrying cannot help. Fail fast.
 USER_ERROR = 3
-#: A transient fault (e.g. a storage outage): restart and resume. Counts toward maxRestarts, so a fault that lasts ends the run.
+#: A transient fault (a storage outage: 429, 5xx, timeouts or dropped connections past the retry deadline): restart and resume. Counts toward maxRestarts, so a fault that lasts ends the run.
 RETRIABLE = 42
 #: Stopped by SIGTERM (preemption, node maintenance, pod deletion) after committing a checkpoint: restart and resume, not counted.
 PREEMPTED = 43
