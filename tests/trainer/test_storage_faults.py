@@ -265,3 +265,45 @@ def test_the_cli_names_the_field_of_a_missing_bucket(gcs_bucket, tmp_path, capsy
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lora-trainer convert: error: --source gs://no-such-bucket-22/adapter: ")
     assert "bucket 'no-such-bucket-22' does not exist" in lines[0] and not (tmp_path / "out").exists()
+
+
+#: Saves an adapter-only checkpoint to each URI given, in its own process (TensorStore reads its endpoint
+#: once per process); prints how each ended as one JSON line.
+_SAVES = """
+import json, sys
+import numpy as np
+from lora_trainer import checkpoint
+from lora_trainer.errors import TrainerError
+meta = {"family": "llama3", "baseModel": None, "rank": 2, "alpha": 4.0, "dropout": 0.0,
+        "targetModules": "layers/0/attn/q_proj", "quantization": None, "modulePaths": ["layers/0/attn/q_proj"]}
+tree = {"layers/0/attn/q_proj": {"w_lora_a": np.ones((8, 2), np.float32), "w_lora_b": np.ones((2, 4, 2), np.float32)}}
+ended = {}
+for root in sys.argv[1:]:
+    try:
+        checkpoint.write_lora(root, 0, tree, meta)
+        ended[root] = "saved"
+    except TrainerError as e:
+        ended[root] = f"{type(e).__name__} {e.exit_code}: {e}"
+print(json.dumps(ended))
+"""
+
+
+def test_tensorstore_faults_on_the_wire(proxy, prefix):
+    """TensorStore (Orbax's arrays: `uploadType=media`) rides out a 503 burst and reports a 403 as the user's."""
+    import json
+    import sys
+
+    def arrays_of(token: str) -> Any:
+        return lambda m, p: "uploadType=media" in p and token in p
+
+    proxy.add(Fault(arrays_of("flaky-arrays"), status=503, times=2))
+    proxy.add(Fault(arrays_of("denied-arrays"), status=403, times=None))
+    flaky, denied = f"{prefix}/flaky-arrays", f"{prefix}/denied-arrays"
+    proc = subprocess.run([sys.executable, "-c", _SAVES, flaky, denied], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=trainer_env(**proxy.env, **{storage.RETRY_DEADLINE_ENV: str(DEADLINE_S)}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ended[flaky] == "saved" and storage.exists(f"{flaky}/0/commit_success.txt")
+    assert ended[denied].startswith(f"UserError {exit_codes.USER_ERROR}: access to checkpoints at {denied} was denied ("), ended[denied]
+    assert "403" in ended[denied] and not storage.exists(f"{denied}/0/commit_success.txt")
+    assert [s for _, p, s in proxy.log if "flaky-arrays" in p and "uploadType=media" in p].count(503) == 2
