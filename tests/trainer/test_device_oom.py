@@ -19,8 +19,8 @@ from lora_trainer.errors import device_oom_message
 
 #: Address space a trainer gets: several times what the tiny run needs (~3 GiB), far below the failing buffer.
 ADDRESS_SPACE = 16 * 2**30
-#: Rows per step that make one of the step's buffers ~85 GiB on the tiny model.
-HUGE_BATCH = 262144
+#: Rows per step (the most training.globalBatchSize allows) that make one of the step's buffers ~21 GiB on the tiny model.
+HUGE_BATCH = 65536
 
 
 def _oom(message: str) -> jax.errors.JaxRuntimeError:

@@ -97,15 +97,16 @@ def classify(
     if type(exc).__name__ == "RetryError" and type(exc).__module__.startswith("google.api_core"):
         cause = getattr(exc, "cause", None) or exc
         return RetriableError(
-            f"storage unreachable for {deadline_s or 0:.0f}s ({RETRY_DEADLINE_ENV}) while accessing {subject}: {cause}", uri=uri
+            f"storage unreachable for {deadline_s or 0:.0f}s ({RETRY_DEADLINE_ENV}) while accessing {subject}: {one_line(cause)}",
+            uri=uri,
         )
+    # The text of the kinds TensorStore and gcsfs state GCS faults in; other exceptions' text says nothing here.
+    text = str(exc) if uri.startswith("gs://") and isinstance(exc, (ValueError, RuntimeError, OSError)) else ""
     status = http_status(exc)
-    if status is None and isinstance(exc, (ValueError, RuntimeError, OSError)) and uri.startswith("gs://"):
-        found = _HTTP_IN_TEXT.search(str(exc))  # TensorStore
-        status = int(found[1]) if found else None
+    if status is None and (found := _HTTP_IN_TEXT.search(text)):
+        status = int(found[1])
     if status in RETRIABLE_STATUS or (status is None and _transport_fault(exc)):
         return RetriableError(f"storage fault while accessing {subject}: {one_line(exc)}", uri=uri)
-    text = str(exc)
     if type(exc).__name__ == "RefreshError" and type(exc).__module__.startswith("google.auth"):
         return _credentials_refused(exc, uri)
     if status in (401, 403) or isinstance(exc, PermissionError) or any(m in text for m in _DENIED_TEXT):
@@ -116,11 +117,11 @@ def classify(
             else "make it readable (and its directory writable, for an output), or choose another path"
         )
         return UserError(f"access to {subject} was denied ({one_line(exc)}): {fix}", uri=uri)
-    if status == 404 or (uri.startswith("gs://") and (isinstance(exc, FileNotFoundError) or "NOT_FOUND" in text)):
+    if status == 404 or (uri.startswith("gs://") and isinstance(exc, FileNotFoundError)) or "NOT_FOUND" in text:
         return _missing(exc, uri, subject, writing, bucket_missing)
     if status is not None and status < 500:
         return UserError(f"storage refused a request for {subject} (HTTP {status}: {one_line(exc)}): check the URI", uri=uri)
-    if uri.startswith("gs://") and isinstance(exc, (ValueError, RuntimeError)) and any(m in text for m in _REFUSED_TEXT):
+    if any(m in text for m in _REFUSED_TEXT):
         return UserError(f"storage refused a request for {subject} ({one_line(exc)}): check the URI", uri=uri)
     if isinstance(exc, OSError) and exc.errno in _LOCAL_FULL:
         return UserError(
@@ -128,7 +129,7 @@ def classify(
             "ephemeral storage, or point the output at gs://",
             uri=uri,
         )
-    if uri.startswith("gs://") and isinstance(exc, (ValueError, RuntimeError, OSError)) and any(m in text for m in _TRANSIENT_TEXT):
+    if any(m in text for m in _TRANSIENT_TEXT):
         return RetriableError(f"storage fault while accessing {subject}: {one_line(exc)}", uri=uri)
     return None
 
