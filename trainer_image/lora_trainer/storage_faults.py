@@ -48,11 +48,14 @@ _LOCAL_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota i
 
 
 def http_status(exc: BaseException) -> int | None:
-    """The HTTP error status an exception carries (`code`, `status`, or its `response`'s), if any (>= 400)."""
-    candidates = [getattr(exc, "code", None), getattr(exc, "status", None)]
+    """The HTTP error status an exception carries (`status`, `code`, or its `response`'s), if any (>= 400).
+
+    Read lazily, in that order: aiohttp warns when its deprecated `code` is touched.
+    """
     response = getattr(exc, "response", None)
-    candidates += [getattr(response, "status_code", None), getattr(response, "status", None)]
-    for value in candidates:
+    lookups = ((exc, "status"), (exc, "code"), (response, "status_code"), (response, "status"))
+    for owner, attr in lookups:
+        value = getattr(owner, attr, None)
         if isinstance(value, bool):
             continue
         try:
@@ -105,8 +108,9 @@ def classify(
     status = http_status(exc)
     if status is None and (found := _HTTP_IN_TEXT.search(text)):
         status = int(found[1])
+    detail = f"HTTP {status}: {one_line(exc)}" if status else one_line(exc)
     if status in RETRIABLE_STATUS or (status is None and _transport_fault(exc)):
-        return RetriableError(f"storage fault while accessing {subject}: {one_line(exc)}", uri=uri)
+        return RetriableError(f"storage fault while accessing {subject}: {detail}", uri=uri)
     if type(exc).__name__ == "RefreshError" and type(exc).__module__.startswith("google.auth"):
         return _credentials_refused(exc, uri)
     if status in (401, 403) or isinstance(exc, PermissionError) or any(m in text for m in _DENIED_TEXT):
@@ -116,13 +120,13 @@ def classify(
             if uri.startswith("gs://")
             else "make it readable (and its directory writable, for an output), or choose another path"
         )
-        return UserError(f"access to {subject} was denied ({one_line(exc)}): {fix}", uri=uri)
+        return UserError(f"access to {subject} was denied ({detail}): {fix}", uri=uri)
     if status == 404 or (uri.startswith("gs://") and isinstance(exc, FileNotFoundError)) or "NOT_FOUND" in text:
         return _missing(exc, uri, subject, writing, bucket_missing)
     if status is not None and status < 500:
-        return UserError(f"storage refused a request for {subject} (HTTP {status}: {one_line(exc)}): check the URI", uri=uri)
+        return UserError(f"storage refused a request for {subject} ({detail}): check the URI", uri=uri)
     if any(m in text for m in _REFUSED_TEXT):
-        return UserError(f"storage refused a request for {subject} ({one_line(exc)}): check the URI", uri=uri)
+        return UserError(f"storage refused a request for {subject} ({detail}): check the URI", uri=uri)
     if isinstance(exc, OSError) and exc.errno in _LOCAL_FULL:
         return UserError(
             f"cannot write {subject}: {_LOCAL_FULL[exc.errno]} ({exc.filename or exc}): free space, give the pod more "
@@ -130,7 +134,7 @@ def classify(
             uri=uri,
         )
     if any(m in text for m in _TRANSIENT_TEXT):
-        return RetriableError(f"storage fault while accessing {subject}: {one_line(exc)}", uri=uri)
+        return RetriableError(f"storage fault while accessing {subject}: {detail}", uri=uri)
     return None
 
 
