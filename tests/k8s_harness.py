@@ -19,6 +19,7 @@ the scenarios that only make sense there can run; everything here needs only the
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import datetime
 import itertools
@@ -142,10 +143,34 @@ class ApiServerEmulator(kmock.KubernetesEmulator, _DirectDispatch):
                 return obj
         return super()._KubernetesEmulator__get_obj(request, strict)  # type: ignore[attr-defined]
 
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        #: (plural, name) -> uids of every object the operator (not the test) created, in order: a
+        #: name created twice is a child made again.
+        self.created: collections.defaultdict[tuple[str, str], list[str]] = collections.defaultdict(list)
+
     async def _handle(self, request: kmock.Request) -> Any:
         _SERVING.set(request)
+        response = await self._serve(request)
+        if (request.action == kmock.action.CREATE and request.resource is not None and isinstance(request.data, dict)
+                and not request.headers.get("User-Agent", "").startswith(HARNESS_AGENT)):
+            self.created[request.resource.plural, request.data["metadata"]["name"]].append(request.data["metadata"]["uid"])
+        return response
+
+    def _bump_on_delete(self, request: kmock.Request) -> None:
+        """Deleting an object that has finalizers sets its deletionTimestamp: a change, so a new
+        resourceVersion (KMock keeps the old one, and a client that skips versions it has seen
+        would miss the deletion)."""
+        stored = self.objects._objects.get((request.resource, request.namespace, request.name))
+        if stored is not None and not stored.deleted and stored.get("metadata", {}).get("finalizers"):
+            if not stored.get("metadata", {}).get("deletionTimestamp"):
+                stored.patch({"metadata": {"resourceVersion": str(next(_RESOURCE_VERSIONS))}})
+
+    async def _serve(self, request: kmock.Request) -> Any:
         if request.resource is not None and request.action == kmock.action.UPDATE and isinstance(request.data, dict):
             self._check_precondition(request)
+        if request.resource is not None and request.action == kmock.action.DELETE and request.name is not None:
+            self._bump_on_delete(request)
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             version = str(next(_RESOURCE_VERSIONS))
             if isinstance(request.data, list):  # JSON patch
@@ -236,6 +261,7 @@ class Harness:
         self.url = ""
         self._operator: threading.Thread | None = None
         self._stop: threading.Event | None = None
+        self._processes: list[OperatorProcess] = []
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -263,6 +289,9 @@ class Harness:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        for process in self._processes:
+            if process.proc is not None and process.proc.poll() is None:
+                process.kill()
         await self.stop_operator()
         for name in ("kopf", "lora_operator"):
             logging.getLogger(name).removeHandler(self._errors)
@@ -283,19 +312,21 @@ class Harness:
         that only waits for states would not notice."""
         return list(self._errors.messages)
 
-    async def start_operator(self, settings: OperatorSettings | None = None, *, metrics: OperatorMetrics | None = None) -> None:
+    async def start_operator(self, settings: OperatorSettings | None = None, *, metrics: OperatorMetrics | None = None,
+                             url: str | None = None) -> None:
         """Run the real operator until `stop_operator`, in its own thread and event loop: kopf
         cancels every task created after its start when it stops, so it cannot share the test's loop.
-        `metrics`: the operator's Prometheus registry, for a test to read (else a private one)."""
+        `metrics`: the operator's Prometheus registry, for a test to read (else a private one);
+        `url`: where the operator reaches the API server (e.g. a fault-injecting proxy), default the emulator."""
         settings = settings or harness_settings()
         registry = build_registry(settings)
-        url = self.url
+        url = url or self.url
 
         @kopf.on.login(registry=registry)
         def _login(**_: Any) -> kopf.ConnectionInfo:
             return kopf.ConnectionInfo(server=url)
 
-        kube = self.kube()
+        kube = self.kube(url)
         self._stop, ready = threading.Event(), threading.Event()
         self._failure: BaseException | None = None
 
@@ -325,20 +356,27 @@ class Harness:
         return path
 
     def operator_process(self, directory: Path, args: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:
-        """`lora-operator run ARGS` as a real process against the emulator (stderr to `log`). PYTHONPATH
+        """`lora-operator run ARGS` as a real process against the emulator (stderr appended to `log`). PYTHONPATH
         passes through: the operator under test is the checkout's, not an installed one."""
         return subprocess.Popen(
             [sys.executable, "-m", "lora_operator.cli", "run", *args],
             env={"KUBECONFIG": str(self.kubeconfig(directory)), "PATH": "/usr/bin:/bin", "HOME": str(directory),
                  **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}, **env},
-            stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=log.open("a"), cwd=ROOT,
         )
 
-    def kube(self) -> Kube:
-        """The operator's own API client (`lora_operator.kube.Kube`), pointed at the emulator."""
+    def kube(self, url: str | None = None) -> Kube:
+        """The operator's own API client (`lora_operator.kube.Kube`), pointed at the emulator (or `url`)."""
         cfg = kubernetes.client.Configuration()
-        cfg.host = self.url
+        cfg.host = url or self.url
         return Kube(kubernetes.client.ApiClient(cfg))
+
+    def process(self, workdir: Path, settings: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> OperatorProcess:
+        """`lora-operator run` as a real process against this emulator (see OperatorProcess); killed
+        when the harness exits if the test left it running."""
+        process = OperatorProcess(self, workdir, settings or {}, env or {})
+        self._processes.append(process)
+        return process
 
     async def stop_operator(self) -> None:
         """Set kopf's stop flag and wait for the operator thread to end."""
@@ -524,6 +562,62 @@ class Harness:
         if not failed:
             status["completionTime"] = now
         await self.patch_status("Job", name, status, namespace)
+
+
+class OperatorProcess:
+    """`lora-operator run` (Harness.operator_process) with a settings file and a liveness endpoint
+    on a fresh port per start, no metrics endpoint: started, killed (SIGKILL) and started again as
+    often as a test likes; its log accumulates in `workdir/operator.log`."""
+
+    def __init__(self, harness: Harness, workdir: Path, settings: dict[str, Any], env: dict[str, str]) -> None:
+        self.harness = harness
+        self.workdir = workdir
+        self.settings = workdir / "settings.yaml"
+        self.settings.write_text(yaml.safe_dump(settings))
+        self.log = workdir / "operator.log"
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    def start(self) -> None:
+        from gcs_emulator import free_port
+
+        self.port = free_port()
+        self.proc = self.harness.operator_process(
+            self.workdir, ["--settings", str(self.settings), "--liveness", f"http://127.0.0.1:{self.port}/healthz", "--metrics-port", "0"],
+            self.log, **self.env)
+
+    async def wait_live(self, timeout: float = 60) -> None:
+        """Until the liveness endpoint answers (kopf is up and watching)."""
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as s:
+            while time.monotonic() < deadline:
+                assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-3000:]
+                try:
+                    async with s.get(f"http://127.0.0.1:{self.port}/healthz") as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+        raise AssertionError(f"the operator process was not live within {timeout}s")
+
+    def kill(self) -> None:
+        """SIGKILL: no handler, no cleanup, as a node loss or an OOM kill ends it."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    async def stop(self, timeout: float = 30) -> int:
+        """SIGTERM and wait: the return code (0 for a graceful stop)."""
+        assert self.proc is not None
+        self.proc.terminate()
+        try:
+            return await asyncio.to_thread(self.proc.wait, timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the operator did not stop within {timeout}s of SIGTERM") from None
 
 
 def _merge(base: Any, patch: Any) -> Any:

@@ -70,6 +70,13 @@ def write_status(kube: Kube, cr: Manifest, fields: dict[str, Any]) -> Manifest |
         raise
 
 
+def observes_exports(cr: Manifest) -> bool:
+    """Whether a reconcile of this CR reads the export Jobs too: once training has ended, and while
+    the CR is being deleted (so that they can be let go)."""
+    status = cr.get("status") or {}
+    return bool(status.get("jobSetName")) and (status.get("phase") not in st.TRAINING or deleting(cr))
+
+
 def owned(child: Manifest | None, owner: Manifest) -> Manifest | None:
     """`child` if `owner` is its controller, else None."""
     if child is None:
@@ -88,6 +95,8 @@ class Controller:
         self.reader = reader or ProgressReader()
         self._locks: dict[tuple[str, str, str], threading.Lock] = {}
         self._locks_lock = threading.Lock()
+        #: (kind, namespace, name) of a child -> the resourceVersion a reconcile last settled with.
+        self._settled_at: dict[tuple[str, str, str], str | None] = {}
 
     def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
         with self._locks_lock:
@@ -96,41 +105,83 @@ class Controller:
     # --- entry points ---------------------------------------------------------------------------
 
     def reconcile(self, kind: str, namespace: str, name: str) -> None:
-        """Bring one CR where its spec, its record and its children say it should be."""
+        """Bring one CR where its spec, its record and its children say it should be.
+
+        Each round starts from the CR as read under the lock, or as the previous round's own status
+        write left it; never from a copy taken before the lock (a kopf body): a decision on a status
+        another reconcile has moved on from (Running, when the run already records Exporting and its
+        JobSet has gone) would create what that one let go."""
         with self._lock(kind, namespace, name):
-            for _ in range(MAX_ROUNDS):
-                cr = self.kube.get(API_VERSION, kind, namespace, name)
-                if cr is None:
-                    return
-                ops = self._decide(cr)
-                if not ops:
-                    return
-                try:
-                    self._execute(cr, ops)
-                except Stale as e:
-                    log.debug("reconcile of %s %s/%s: %s; reading again", kind, namespace, name, e)
-            log.info("%s %s/%s is still changing after %d rounds; the next event or resync goes on", kind, namespace, name, MAX_ROUNDS)
+            self._reconcile_locked(kind, namespace, name)
 
-    def child_changed(self, child: Manifest, kind: str, label: str) -> None:
-        """A child changed (or went): reconcile its owner. A child whose owner is gone (or is
-        another object of the same name) is let go at once: nobody needs to know what it did."""
-        meta = child.get("metadata", {})
-        name = (meta.get("labels") or {}).get(label)
-        if not name:
-            return
-        cr = self.kube.get(API_VERSION, kind, meta["namespace"], name)
-        if cr is None or owned(child, cr) is None:
-            self._let_go(child)
-        else:
-            self.reconcile(kind, meta["namespace"], name)
-
-    def _let_go(self, child: Manifest) -> None:
-        meta = child["metadata"]
+    def _reconcile_locked(self, kind: str, namespace: str, name: str) -> None:
+        cr: Manifest | None = None
+        seen: Observed | None = None
         for _ in range(MAX_ROUNDS):
-            if not release(child):
+            cr = cr or self.kube.get(API_VERSION, kind, namespace, name)
+            if cr is None:
+                return
+            ops, seen = self._decide(cr, seen)
+            if not ops:
+                self._settled(seen)
                 return
             try:
-                self._execute(child, release(child))
+                cr, seen = self._execute(cr, ops, seen)
+            except Stale as e:
+                log.debug("reconcile of %s %s/%s: %s; reading again", kind, namespace, name, e)
+                cr, seen = None, None
+        log.info("%s %s/%s is still changing after %d rounds; the next event or resync goes on", kind, namespace, name, MAX_ROUNDS)
+
+    def _settled(self, seen: Observed) -> None:
+        """Remember the children a reconcile found nothing to do about, as it saw them."""
+        self._remember(seen.jobset, *seen.jobs.values())
+
+    def _remember(self, *children: Manifest | None) -> None:
+        """Remember these versions of children as known: the operator made them (its create's or
+        patch's answer, which its own reconcile goes on from) or settled with them."""
+        with self._locks_lock:
+            for child in children:
+                if child is not None:
+                    meta = child["metadata"]
+                    self._settled_at[child["kind"], meta["namespace"], meta["name"]] = meta.get("resourceVersion")
+
+    def _known(self, child: Manifest) -> bool:
+        """Whether this version of the child is one a reconcile made or settled with: its event (the
+        echo of the operator's own write) brings no news."""
+        meta = child.get("metadata", {})
+        with self._locks_lock:
+            known = self._settled_at.get((child.get("kind", ""), meta.get("namespace", ""), meta.get("name", "")))
+        return bool(meta.get("resourceVersion")) and known == meta["resourceVersion"]
+
+    def child_changed(self, child: Manifest, kind: str, label: str, event: str | None = None) -> None:
+        """A child changed (or went): reconcile its owner. A child whose owner is gone (or is
+        another object of the same name) is let go at once: nobody needs to know what it did. An
+        event for the very version of a child that a reconcile settled with (the echo of the
+        operator's own create or patch) changes nothing and is dropped."""
+        meta = child.get("metadata", {})
+        name = (meta.get("labels") or {}).get(label)
+        if not name or event != "DELETED" and self._known(child):
+            return
+        with self._lock(kind, meta["namespace"], name):
+            if event != "DELETED" and self._known(child):  # a reconcile that made or saw this very version just ended
+                return
+            cr = self.kube.get(API_VERSION, kind, meta["namespace"], name)
+            if cr is None or owned(child, cr) is None:
+                self._let_go(child)
+            else:
+                self._reconcile_locked(kind, meta["namespace"], name)
+
+    def _let_go(self, child: Manifest) -> None:
+        """Take the tracking finalizer off a child nobody needs to know about any more."""
+        meta = child["metadata"]
+        for _ in range(MAX_ROUNDS):
+            ops = release(child)
+            if not ops:
+                return
+            try:
+                for op in ops:
+                    assert isinstance(op, SetFinalizers)
+                    self._set_finalizers(op)
                 return
             except Stale:
                 fresh = self.kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
@@ -140,14 +191,19 @@ class Controller:
 
     # --- observe and decide ---------------------------------------------------------------------
 
-    def _decide(self, cr: Manifest) -> list[Op]:
+    def _decide(self, cr: Manifest, seen: Observed | None) -> tuple[list[Op], Observed]:
+        """Observe the CR's children (or take `seen`, still valid from the round before) and
+        decide: (operations, what was observed)."""
         now = st.now_rfc3339()
         if cr["kind"] == "LoraFinetune":
             plan = plan_lora_finetune(cr, self.settings)
-            return decide_lora_finetune(cr, plan, self._observe_run(cr, plan), now)
+            seen = seen or self._observe_run(cr, plan)
+            return decide_lora_finetune(cr, plan, seen, now), seen
         conversion = plan_adapter_conversion(cr, self.settings)
-        job = owned(self.kube.get("batch/v1", "Job", cr["metadata"]["namespace"], conversion.job_name), cr)
-        return decide_adapter_conversion(cr, conversion, Observed(jobs={conversion.job_name: job}), now)
+        if seen is None:
+            job = owned(self.kube.get("batch/v1", "Job", cr["metadata"]["namespace"], conversion.job_name), cr)
+            seen = Observed(jobs={conversion.job_name: job})
+        return decide_adapter_conversion(cr, conversion, seen, now), seen
 
     def _observe_run(self, cr: Manifest, plan: Any) -> Observed:
         ns = cr["metadata"]["namespace"]
@@ -157,7 +213,7 @@ class Controller:
             return Observed(secret=self._secret(ns, plan.spec) if plan.spec is not None else None)
         jobset = owned(self.kube.get(JOBSET_API, "JobSet", ns, plan.names.jobset), cr)
         jobs: dict[str, Manifest | None] = {}
-        if phase not in st.TRAINING or deleting(cr):
+        if observes_exports(cr):
             jobs = {n: owned(self.kube.get("batch/v1", "Job", ns, n), cr) for n in plan.export_names}
         progress: dict[str, Any] = {}
         if phase in st.TRAINING and jobset is not None and plan.spec is not None:
@@ -184,42 +240,60 @@ class Controller:
         return {k: v for k, v in progress_status(record, total).items() if status.get(k) != v}
 
     def record_progress(self, namespace: str, name: str, record: dict[str, Any]) -> None:
-        """Copy a progress record (read by the timer) into a Running run's status; a run that has
-        changed meanwhile keeps its status (the next tick reads again)."""
+        """Copy a progress record (read by the timer) into a Running run's status (no longer
+        Running: nothing to copy)."""
         with self._lock("LoraFinetune", namespace, name):
-            cr = self.kube.get(API_VERSION, "LoraFinetune", namespace, name)
-            status = (cr or {}).get("status") or {}
-            if cr is None or status.get("phase") != "Running":
-                return
-            total = int(((cr.get("spec") or {}).get("training") or {}).get("steps") or status.get("totalSteps") or 0)
-            try:
-                write_status(self.kube, cr, progress_status(record, total))
-            except Stale:
-                log.debug("%s/%s changed while its progress was read; the next read writes it", namespace, name)
+            for _ in range(MAX_ROUNDS):  # kopf's own annotation patches may land between the read and the write
+                cr = self.kube.get(API_VERSION, "LoraFinetune", namespace, name)
+                status = (cr or {}).get("status") or {}
+                if cr is None or status.get("phase") != "Running":
+                    return
+                total = int(((cr.get("spec") or {}).get("training") or {}).get("steps") or status.get("totalSteps") or 0)
+                try:
+                    write_status(self.kube, cr, progress_status(record, total))
+                    return
+                except Stale:
+                    log.debug("%s/%s changed while its progress was written; reading it again", namespace, name)
 
     # --- act ------------------------------------------------------------------------------------
 
-    def _execute(self, cr: Manifest, ops: list[Op]) -> None:
-        """Run the operations in order; the first refusal ends the round."""
+    def _execute(self, cr: Manifest, ops: list[Op], seen: Observed) -> tuple[Manifest | None, Observed | None]:
+        """Run the operations in order; the first refusal ends the round. Returns what the next
+        round may start from instead of reading again: the CR as the round's last status write
+        left it (no other operation changes the CR, and only a reconcile holding its lock writes
+        its status), and `seen` with the children the round created, unless it patched a child or
+        moved the run between training and exporting (which observe different children)."""
+        fresh: Manifest | None = None
+        before = observes_exports(cr)
+        created: dict[str, Manifest] = {}
+        patched = False
         for op in ops:
             if isinstance(op, WriteStatus):
                 written = write_status(self.kube, cr, op.fields)
                 if written is None:
-                    return
-                cr = written
+                    return None, None
+                cr = fresh = written
             elif isinstance(op, PostEvent):
                 self.kube.post_event(cr, type=op.type, reason=op.reason, message=op.message, key=op.key)
             elif isinstance(op, Create):
                 try:
-                    self.kube.create_or_adopt(op.manifest)
+                    child = self.kube.create_or_adopt(op.manifest)
                 except CannotCreate as e:
                     obs = st.Observation("Failed", op.reason or e.reason, f"{op.prefix}{e}")
-                    self._execute(cr, status_ops(cr, obs, st.now_rfc3339()))
-                    return
+                    return self._execute(cr, status_ops(cr, obs, st.now_rfc3339()), seen)[0], None
+                created[child["kind"] + "/" + child["metadata"]["name"]] = child
+                self._remember(child)
             elif isinstance(op, PatchSuspend):
+                patched = True
                 self._patch(JOBSET_API, "JobSet", cr["metadata"]["namespace"], op.name, {"spec": {"suspend": op.suspend}})
             else:
+                patched = True
                 self._set_finalizers(op)
+        if patched or before != observes_exports(cr):
+            return fresh, None
+        jobset = next((c for c in created.values() if c["kind"] == "JobSet"), seen.jobset)
+        jobs = {name: created.get(f"Job/{name}", job) for name, job in seen.jobs.items()}
+        return fresh, Observed(jobset=jobset, jobs=jobs, secret=seen.secret, progress=seen.progress)
 
     def _patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
         try:

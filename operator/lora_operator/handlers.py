@@ -53,14 +53,14 @@ def reconcile_conversion(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     memo.controller.reconcile("AdapterConversion", meta["namespace"], meta["name"])
 
 
-def run_child_event(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+def run_child_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
     """A LoraFinetune's JobSet or export Job changed or went: the run is reconciled at once."""
-    memo.controller.child_changed(dict(body), "LoraFinetune", LFT_LABEL)
+    memo.controller.child_changed(dict(body), "LoraFinetune", LFT_LABEL, type)
 
 
-def conversion_child_event(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+def conversion_child_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
     """A conversion Job changed or went."""
-    memo.controller.child_changed(dict(body), "AdapterConversion", ADC_LABEL)
+    memo.controller.child_changed(dict(body), "AdapterConversion", ADC_LABEL, type)
 
 
 async def read_progress(meta: kopf.Meta, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:

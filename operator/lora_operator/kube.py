@@ -132,15 +132,14 @@ class Kube:
                 return None
             raise
 
-    def create_or_adopt(self, manifest: dict[str, Any]) -> bool:
-        """Create; on 409 adopt the existing object if it is owned by the same controller. True when
-        it created the object (so a caller resuming a run can tell that a child had gone missing).
-        Raises CannotCreate when retrying cannot help (refused, or the name is someone else's)."""
+    def create_or_adopt(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Create; on 409 adopt the existing object if it is owned by the same controller. Returns
+        the object as the server holds it. Raises CannotCreate when retrying cannot help (refused,
+        or the name is someone else's)."""
         meta = manifest["metadata"]
         path = _path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
         try:
-            self._call("POST", path, manifest)
-            return True
+            return self._call("POST", path, manifest)
         except ApiException as e:
             if e.status != 409:
                 message = refusal(e)
@@ -160,7 +159,7 @@ class Kube:
                 f"a {manifest['kind']} named {meta['name']} already exists in {meta['namespace']} and is not owned by this "
                 "resource; delete it or give the resource another name"
             )
-        return False
+        return existing
 
     def merge_patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any], *, status: bool = False) -> dict[str, Any]:
         """A merge patch; with `metadata.resourceVersion` in it, the server refuses it (409) if the

@@ -197,7 +197,7 @@ def decide_lora_finetune(cr: Manifest, plan: Plan, seen: Observed, now: str) -> 
 
 def _admit(cr: Manifest, plan: Plan, seen: Observed, now: str) -> list[Op]:
     """Before any child exists: refuse the spec, wait for its Secret, or record the admission (the
-    JobSet name, the suspension it is created with) before the first child is created."""
+    JobSet name, the suspension it is created with), then create the children."""
     if plan.problem is not None or plan.spec is None:
         assert plan.problem is not None
         return _fail(cr, plan.problem.reason, str(plan.problem), now)
@@ -220,7 +220,8 @@ def _admit(cr: Manifest, plan: Plan, seen: Observed, now: str) -> list[Op]:
            else st.Observation("Pending", "JobSetCreated", f"created JobSet {plan.names.jobset}; waiting for TPU pods"))
     admitted = {**cr, "status": {**status, "conditions": conditions}}
     record = {"suspendRequested": plan.suspend, "suspendApplied": plan.suspend, "children": []}
-    return status_ops(admitted, obs, now, events=False, **plan.admission, record=record)
+    # Written before the children exist, so every JobSet-driven decision finds the run admitted.
+    return [*status_ops(admitted, obs, now, events=False, **plan.admission, record=record), *map(Create, plan.training)]
 
 
 def _train(cr: Manifest, plan: Plan, seen: Observed, now: str) -> list[Op]:
@@ -347,7 +348,8 @@ def decide_adapter_conversion(cr: Manifest, plan: ConversionPlan, seen: Observed
         if plan.problem is not None:
             return _fail(cr, plan.problem.reason, str(plan.problem), now)
         obs = st.Observation("Pending", "JobCreated", f"created conversion Job {plan.job_name}")
-        return status_ops(cr, obs, now, events=False, jobName=plan.job_name, record={"children": []})
+        creates = [Create(plan.job)] if plan.job is not None and job is None else []
+        return [*status_ops(cr, obs, now, events=False, jobName=plan.job_name, record={"children": []}), *creates]
     record = _record(status)
     was = recorded_uid(status, "Job", plan.job_name)
     if job is None:
