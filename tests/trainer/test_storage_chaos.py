@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gcs_proxy import Fault, FaultProxy
-from trainer_fixtures import LORA_TRAINER, REPO, finish, parse, progress_lines, start_trainer, tiny_llama, train_config, trainer_env, write_config
+from trainer_fixtures import LORA_TRAINER, REPO, finish, parse, start_trainer, tiny_llama, train_config, trainer_env, wait_for_step, write_config
 
 from lora_trainer import checkpoint, exit_codes, storage
 from lora_trainer.adapters.convert import convert
@@ -122,18 +122,6 @@ def proxy(gcs_bucket) -> Iterator[FaultProxy]:
     proxy.close()
 
 
-def _wait_for_step(proc: subprocess.Popen[bytes], log: Path, step: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        lines = progress_lines(log)
-        if lines and lines[-1]["step"] >= step:
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"trainer exited with {proc.returncode} before step {step}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    pytest.fail(f"trainer did not reach step {step} within {timeout}s")
-
-
 def test_training_through_a_brownout_ends_as_without_it(gcs_bucket, proxy, tmp_path):
     prefix = f"gs://{gcs_bucket}/chaos/train"
     base = train_config(tmp_path, "", steps=STEPS, checkpointEvery=EVERY, logEvery=1)
@@ -148,7 +136,7 @@ def test_training_through_a_brownout_ends_as_without_it(gcs_bucket, proxy, tmp_p
         log1 = tmp_path / "outage.log"
         proc = start_trainer(cfg, log1, **ENV, **proxy.env)
         try:
-            _wait_for_step(proc, log1, EVERY + 1)
+            wait_for_step(proc, log1, EVERY + 1)
             proxy.add(Fault(lambda m, p: True, status=503, times=None), first=True)
             start = time.monotonic()
             code = proc.wait(timeout=DEADLINE_S + 60)

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from gcs_emulator import Gate, free_port, start_emulator
-from trainer_fixtures import REPO, progress_lines, start_trainer, train_config, trainer_env, write_config
+from trainer_fixtures import REPO, progress_lines, start_trainer, train_config, trainer_env, wait_for_step, write_config
 
 from lora_trainer import exit_codes, storage
 from lora_trainer.errors import RetriableError, UserError
@@ -39,20 +39,6 @@ DEADLINE_S = 5
 ENV = {"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu", storage.RETRY_DEADLINE_ENV: str(DEADLINE_S)}
 #: How long after the outage the trainer may take to exit: the deadline plus shutting down.
 EXIT_WITHIN_S = DEADLINE_S + 25
-
-
-def _wait_for_step(proc: subprocess.Popen[bytes], log: Path, step: int, timeout: float = 300) -> None:
-    """Block until the trainer has printed progress for `step` (so it has written progress.json)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        lines = progress_lines(log)
-        if lines and lines[-1]["step"] >= step:
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"trainer exited with {proc.returncode} before step {step}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.02)
-    proc.kill()
-    pytest.fail(f"trainer did not reach step {step} within {timeout}s")
 
 
 def _steps(endpoint: dict[str, str]) -> dict[str, list[int]]:
@@ -97,7 +83,7 @@ def test_storage_outage_exits_retriable_promptly_then_resumes(tmp_path):
         gate = Gate(emulator.port)
         proc, log = _run(long_run, "outage", tmp_path, gate.env)
         try:
-            _wait_for_step(proc, log, 4)
+            wait_for_step(proc, log, 4)
             gate.cut()
             cut = time.monotonic()
             code = proc.wait(timeout=EXIT_WITHIN_S)

@@ -14,8 +14,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from lora_trainer.config import TrainConfig
 from lora_trainer.tiny_models import make_tiny_hf_model
@@ -129,3 +132,17 @@ def progress_lines(log_path: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+def wait_for_step(proc: subprocess.Popen[bytes], log: Path, step: int, timeout: float = 300) -> None:
+    """Block until the trainer has printed progress for `step` (so it has written progress.json)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = progress_lines(log)
+        if lines and lines[-1]["step"] >= step:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"trainer exited with {proc.returncode} before step {step}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail(f"trainer did not reach step {step} within {timeout}s")
