@@ -14,7 +14,7 @@ import copy
 from typing import Any
 
 import pytest
-from crdcheck import validate
+from crdcheck import open_api_schema, validate
 from k8s_harness import Harness, harness_settings
 from pydantic import ValidationError
 
@@ -153,6 +153,32 @@ def test_the_corpus_is_large_and_every_good_spec_passes():
                               "merged": True})
     assert validate("adapterconversions", _cr("AdapterConversion", merge))[1] == []
     AdapterConversionSpec.model_validate(merge)
+
+
+def _nodes(node: dict[str, Any], path: str = ""):
+    yield path, node
+    for name, sub in node.get("properties", {}).items():
+        yield from _nodes(sub, f"{path}.{name}")
+    if "items" in node:
+        yield from _nodes(node["items"], f"{path}[]")
+
+
+@pytest.mark.parametrize("plural", ["lorafinetunes", "adapterconversions"])
+def test_every_string_list_and_count_of_the_crds_is_bounded(plural):
+    """maxLength on every string (or an enum), maxItems on every list, a maximum on every number
+    of the spec; strings and lists of the status too (the operator cuts what it writes to fit). The
+    CRD is generated from the models, so run-local and the trainer apply the same bounds."""
+    unbounded = []
+    for path, node in _nodes(open_api_schema(plural)):
+        if path in (".apiVersion", ".kind", ".metadata"):
+            continue
+        if node.get("type") == "string" and "maxLength" not in node and "enum" not in node:
+            unbounded.append(path)
+        if node.get("type") == "array" and "maxItems" not in node:
+            unbounded.append(path)
+        if path.startswith(".spec") and node.get("type") in ("integer", "number") and "maximum" not in node:
+            unbounded.append(path)
+    assert unbounded == []
 
 
 # --- images, parsed ----------------------------------------------------------------------------
