@@ -6,25 +6,35 @@ benchmark and the tests call the same two, so every path trains one objective.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from lora_trainer.cross_entropy import token_nll
+from lora_trainer.models.attention import SegmentMask
 
 
-def model_inputs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Batch -> loss-fn kwargs: a causal mask that never crosses packed examples or padding (segment 0)."""
+def model_inputs(batch: dict[str, jax.Array], *, splash: bool = False, interpret: bool = False) -> dict[str, Any]:
+    """Batch -> loss-fn kwargs: a causal mask that never crosses packed examples or padding (segment 0).
+
+    With `splash` the mask is passed as the segment ids themselves (`SegmentMask`), the form the
+    splash kernel takes; `interpret` runs that kernel on the CPU (tests).
+    """
     seg = batch["segment_ids"]
-    length = seg.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
-    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+    if splash:
+        mask: Any = SegmentMask(seg, interpret=interpret)
+    else:
+        length = seg.shape[1]
+        causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+        mask = causal[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
     return {
         "input_tokens": batch["input_tokens"],
         "input_mask": batch["input_mask"],
         "segment_ids": seg,
         "positions": batch["positions"],
-        "attention_mask": causal[None] & same,
+        "attention_mask": mask,
         **({"loss_norm": batch["loss_norm"]} if "loss_norm" in batch else {}),
     }
 
@@ -35,7 +45,7 @@ def lm_loss(
     input_mask: jax.Array,
     segment_ids: jax.Array,
     positions: jax.Array,
-    attention_mask: jax.Array,
+    attention_mask: jax.Array | SegmentMask,
     loss_norm: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean next-token cross-entropy over loss-masked targets (float32), plus token counts for progress.

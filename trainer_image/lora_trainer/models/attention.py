@@ -19,12 +19,18 @@ training path (no KV cache).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from lora_trainer.accumulating_dot import contract
+from lora_trainer.errors import UserError
+
+#: Name under which attention residuals are tagged for rematerialisation policies (`models.remat`
+#: keeps them, so a backward pass never runs the attention forward again).
+RESIDUALS = "attention_residuals"
 
 #: Tunix's mask value (every Tunix family defines the same constant).
 K_MASK = -2.3819763e38
@@ -89,8 +95,54 @@ def _bwd(scale: float, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, 
 gqa_attention.defvjp(_fwd, _bwd)
 
 
-def causal_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float) -> jax.Array:
+#: The splash kernel takes sequences of a multiple of this many tokens (its smallest block).
+SPLASH_SEQ_MULTIPLE = 128
+
+
+def choose_kernel(setting: str, backend: str) -> str:
+    """`training.attention` resolved for a run on `backend`: `splash` or `xla`.
+
+    `auto` is splash on TPU, xla elsewhere; asking for splash off a TPU is a UserError (its
+    Pallas program runs only there, or interpreted, far too slowly to train).
+    """
+    if setting == "splash" and backend != "tpu":
+        raise UserError(f"training.attention is splash, which needs a TPU, but this run is on {backend}; use auto or xla")
+    if setting == "auto":
+        return "splash" if backend == "tpu" else "xla"
+    return setting
+
+
+def padded_length(longest: int, max_seq_len: int, kernel: str) -> int:
+    """The length every batch is padded to (one compilation): the longest sequence rounded up to 8,
+    capped at `max_seq_len`; for the splash kernel then rounded up to its multiple of 128."""
+    length = min(max_seq_len, -(-longest // 8) * 8)
+    return -(-length // SPLASH_SEQ_MULTIPLE) * SPLASH_SEQ_MULTIPLE if kernel == "splash" else length
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SegmentMask:
+    """A causal mask within packed segments, given as the segment ids [B, T] (0: padding) rather
+    than as a [B, T, T] array: the form the splash kernel takes (`models.splash`), chosen by the
+    model inputs (`loss.model_inputs`) when the run attends with it.
+
+    The mask it stands for is `loss.model_inputs`' dense one: query i attends key j when j <= i,
+    both lie in the same segment, and that segment is not padding. `interpret` runs the kernel's
+    Pallas program on the CPU (tests of the TPU path).
+    """
+
+    segment_ids: jax.Array
+    interpret: bool = dataclasses.field(default=False, metadata={"static": True})
+
+
+def causal_gqa_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | SegmentMask | None, scale: float, *, window: int | None = None
+) -> jax.Array:
     """`gqa_attention(q, k, v, mask & causal, scale)` for a decoder: query i attends keys j <= i (where `mask` allows).
+
+    `window` limits each query to the `window` most recent keys (itself included): Gemma's
+    sliding layers. A `SegmentMask` runs the splash kernel instead (`models.splash`): the same
+    function on every token that is not padding.
 
     Why: causality masks the upper-right quarter of the [T, T] scores, which `gqa_attention`
     still forms, exponentiates and differentiates. With queries and keys of one length the
@@ -103,8 +155,14 @@ def causal_gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     masked row (padding), which attends uniformly to every key as in Tunix: such a row of the
     first half gets the mean of all values rather than of the first half's.
     """
+    if isinstance(mask, SegmentMask):
+        from lora_trainer.models import splash  # Pallas' TPU kernels: imported only by runs that use them
+
+        return splash.causal_attention(q, k, v, mask.segment_ids, scale, window=window, interpret=mask.interpret)
     t, s = q.shape[1], k.shape[1]
     causal = jnp.tril(jnp.ones((t, s), jnp.bool_))[None]
+    if window is not None:
+        causal = causal & jnp.triu(jnp.ones((t, s), jnp.bool_), 1 - window)[None]
     mask = causal if mask is None else mask & causal
     if t != s or t < 2:
         return gqa_attention(q, k, v, mask, scale)

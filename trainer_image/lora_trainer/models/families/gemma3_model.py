@@ -25,7 +25,7 @@ from tunix.models.gemma3 import model as tunix_gemma3
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
 from lora_trainer.models.attention import causal_gqa_attention
-from lora_trainer.models.families.common import head_dim, require, use_attention
+from lora_trainer.models.families.common import head_dim, require, use_attention, use_remat
 
 Norm = tunix_gemma3.QueryPreAttentionNormalisation
 LOCAL, GLOBAL = tunix_gemma3.AttentionType.LOCAL_SLIDING, tunix_gemma3.AttentionType.GLOBAL
@@ -52,15 +52,13 @@ class Attention(tunix_gemma3.Attention):
             )
             for y in (q, k)
         )
-        if self.attn_type == LOCAL:
-            ones = jnp.ones(attn_mask.shape[-2:], jnp.bool_)
-            window = jnp.triu(ones, 1 - self.sliding_window_size) & jnp.tril(ones, self.sliding_window_size - 1)
-            attn_mask = attn_mask & window
-        out = causal_gqa_attention(q * self.query_pre_attn_scalar, k, v, attn_mask, 1.0)
+        window = self.sliding_window_size if self.attn_type == LOCAL else None
+        out = causal_gqa_attention(q * self.query_pre_attn_scalar, k, v, attn_mask, 1.0, window=window)
         return None, shard(self.attn_vec_einsum(out), self.shd_config.act_btd)
 
 
 use_attention(tunix_gemma3, Attention)
+use_remat(tunix_gemma3)
 
 
 class SplitKV(nnx.Module):

@@ -17,8 +17,8 @@ from tunix.models.qwen2 import model as tunix_qwen2
 
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
-from lora_trainer.models.attention import causal_gqa_attention
-from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention
+from lora_trainer.models.attention import SegmentMask, causal_gqa_attention
+from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention, use_remat
 
 
 class Attention(tunix_qwen2.Attention):
@@ -41,7 +41,7 @@ class Attention(tunix_qwen2.Attention):
         v = tunix_qwen2.shard(self._biased(self.v_proj(x), self.v_bias), btnh)
         q = tunix_qwen2.apply_rotary_embedding(q, sin, cos)
         k = tunix_qwen2.apply_rotary_embedding(k, sin, cos)
-        if segment_ids is not None:  # as Tunix: attend within one's own segment only
+        if segment_ids is not None and not isinstance(attn_mask, SegmentMask):  # as Tunix: attend within one's own segment only
             same = segment_ids[:, :, None] == segment_ids[:, None, :]
             attn_mask = same if attn_mask is None else attn_mask & same
         out = self.o_proj(causal_gqa_attention(q, k, v, attn_mask, self.scale))
@@ -54,6 +54,7 @@ class Attention(tunix_qwen2.Attention):
 
 
 use_attention(tunix_qwen2, Attention)
+use_remat(tunix_qwen2)
 einsum_taking_quantized_weights(tunix_qwen2)
 
 
