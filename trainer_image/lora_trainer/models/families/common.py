@@ -9,8 +9,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from lora_trainer.errors import UserError
+from lora_trainer.models import remat
 from lora_trainer.models.mapping import LoraTarget, WeightRule
 
 
@@ -111,6 +113,29 @@ def use_attention(module: ModuleType, attention: type) -> None:
     """
     if not issubclass(module.Attention, attention):
         module.Attention = attention
+
+
+def use_remat(module: ModuleType) -> None:
+    """Make the Tunix model `module` build decoder layers that rematerialise by `models.remat`'s policies.
+
+    Tunix's layers only know "remat the whole layer" (its `RematConfig`, fixed when the model is
+    built); the subclass reads a policy name set on each layer after loading (`remat.apply`),
+    so one loaded model serves training with any `training.remat` and the forward-only paths
+    (export, scoring) never pay for it. The same kind of seam as `use_attention`. Idempotent.
+    """
+    if getattr(module.DecoderLayer, "remat_policy", False) is not False:
+        return
+
+    class DecoderLayer(module.DecoderLayer):  # type: ignore[name-defined,misc]
+        remat_policy: str | None = None
+        """A name in `remat.POLICIES`, or None: Tunix's own behaviour."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            if self.remat_policy is None:
+                return super().__call__(*args, **kwargs)
+            return nnx.remat(type(self).block, policy=remat.POLICIES[self.remat_policy])(self, *args, **kwargs)
+
+    module.DecoderLayer = DecoderLayer
 
 
 def einsum_taking_quantized_weights(module: ModuleType) -> None:

@@ -17,7 +17,7 @@ from tunix.models.llama3 import model as tunix_llama3
 
 from lora_trainer.models import rope
 from lora_trainer.models.attention import causal_gqa_attention
-from lora_trainer.models.families.common import decoder_dims, require, use_attention
+from lora_trainer.models.families.common import decoder_dims, require, use_attention, use_remat
 
 rope.install_seam(tunix_llama3)
 
@@ -37,6 +37,7 @@ class Attention(tunix_llama3.Attention):
 
 
 use_attention(tunix_llama3, Attention)
+use_remat(tunix_llama3)
 
 
 class Llama3(rope.RopeFromConfig, tunix_llama3.Llama3):

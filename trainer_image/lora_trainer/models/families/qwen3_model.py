@@ -17,7 +17,7 @@ from tunix.models.qwen3 import model as tunix_qwen3
 
 from lora_trainer.models import rope
 from lora_trainer.models.attention import causal_gqa_attention
-from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention
+from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention, use_remat
 
 rope.install_seam(tunix_qwen3)
 
@@ -41,6 +41,7 @@ class Attention(tunix_qwen3.Attention):
 
 
 use_attention(tunix_qwen3, Attention)
+use_remat(tunix_qwen3)
 einsum_taking_quantized_weights(tunix_qwen3)
 
 

@@ -1,0 +1,86 @@
+"""`training.remat`: every policy computes the same loss and LoRA gradients, and each changes what
+the compiled backward pass keeps (so none of them is silently ignored)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from trainer_fixtures import hlo_dots
+
+from lora_trainer.config import LoraSpec, TrainingSpec
+from lora_trainer.lora import apply_lora
+from lora_trainer.loss import lm_loss, model_inputs
+from lora_trainer.models import load_model, remat
+from lora_trainer.tiny_models import make_tiny_hf_model
+from lora_trainer.tunix_trainer import make_trainer
+
+
+@pytest.fixture(scope="module")
+def lora_model(tmp_path_factory: pytest.TempPathFactory) -> nnx.Module:
+    source = make_tiny_hf_model("llama3", tmp_path_factory.mktemp("remat") / "llama3", seed=0, num_hidden_layers=2)
+    loaded = load_model(str(source), dtype="float32")
+    return apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0).model
+
+
+def _batch() -> dict[str, jax.Array]:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 200, (2, 32)).astype(np.int32)
+    ones = np.ones((2, 32), np.int32)
+    return model_inputs({"input_tokens": jnp.asarray(tokens), "input_mask": jnp.asarray(ones), "segment_ids": jnp.asarray(ones),
+                         "positions": jnp.asarray(np.broadcast_to(np.arange(32), (2, 32)).astype(np.int32))})
+
+
+@nnx.jit
+def _loss_and_grads(model: nnx.Module, inputs: dict[str, jax.Array]) -> tuple[jax.Array, nnx.State]:
+    """Loss and LoRA gradients, as Tunix's train step forms them (nnx.jit over nnx.value_and_grad)."""
+    return nnx.value_and_grad(lambda m: lm_loss(m, **inputs)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+
+
+def test_every_policy_gives_the_same_loss_and_gradients_and_changes_the_program(lora_model: nnx.Module) -> None:
+    inputs = _batch()
+    results, dots, temps = {}, {}, {}
+    for policy in ("none", "dots", "full"):
+        assert remat.apply(lora_model, policy) == 2  # both decoder layers
+        value, grads = _loss_and_grads(lora_model, inputs)
+        results[policy] = (float(value), jax.tree.map(np.asarray, nnx.to_pure_dict(grads)))
+        compiled = _loss_and_grads.lower(lora_model, inputs).compile()
+        dots[policy] = len(hlo_dots(compiled.as_text()))
+        temps[policy] = compiled.memory_analysis().temp_size_in_bytes
+    remat.apply(lora_model, "none")
+    for policy in ("dots", "full"):
+        assert results[policy][0] == pytest.approx(results["none"][0], rel=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), results[policy][1], results["none"][1])
+    # `full` runs every layer's products again in the backward pass; `dots` keeps them (it recomputes
+    # only elementwise work) but keeps less than `none`, which keeps everything.
+    assert dots["full"] > dots["none"], dots
+    assert dots["dots"] < dots["full"], dots
+    assert temps["none"] > temps["dots"], temps
+
+
+@pytest.mark.slow
+def test_the_train_step_trains_alike_under_every_policy(tmp_path) -> None:  # noqa: ANN001
+    """The production step (Tunix's jitted train step over the remat'd layers) under each policy."""
+    source = make_tiny_hf_model("llama3", tmp_path / "llama3", seed=0, num_hidden_layers=2)
+    rng = np.random.default_rng(1)
+    batch = {"input_tokens": rng.integers(3, 200, (2, 32)).astype(np.int32), "input_mask": np.ones((2, 32), np.int32),
+             "segment_ids": np.ones((2, 32), np.int32), "positions": np.broadcast_to(np.arange(32), (2, 32)).astype(np.int32)}
+    losses = {}
+    for policy in ("none", "dots", "full"):
+        loaded = load_model(str(source), dtype="float32")
+        model = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0).model
+        remat.apply(model, policy)
+        trainer = make_trainer(model, TrainingSpec(steps=3, learning_rate=0.01, schedule="constant"))
+        for _ in range(3):
+            trainer.train([dict(batch)])
+        losses[policy] = [float(a["loss"]) for a in trainer.train_aux]
+    assert losses["none"][-1] < losses["none"][0]
+    np.testing.assert_allclose(losses["dots"], losses["none"], rtol=1e-5)
+    np.testing.assert_allclose(losses["full"], losses["none"], rtol=1e-5)
+
+
+def test_auto_is_dots_on_tpu_and_none_elsewhere() -> None:
+    assert remat.resolve("auto", "tpu") == "dots" and remat.resolve("auto", "cpu") == "none"
+    assert remat.resolve("full", "cpu") == "full" and remat.resolve("none", "tpu") == "none"

@@ -1,0 +1,47 @@
+"""What the backward pass recomputes (`training.remat`), and which policy a run uses.
+
+Why: without rematerialisation the backward pass keeps every activation of every layer; on a
+v5e chip (15.7 GiB) a Llama-3.2-1B-shaped model then fits only one 2048-token row per
+micro-batch, which leaves the chip's matrix units half idle. The policies, per decoder layer:
+  - `dots` keeps the outputs of the weight products (no batch dimensions: the projections and
+    the MLP) and the attention kernel's residuals, and recomputes the elementwise work between
+    them (norms, rope, SiLU, residual adds): little extra compute, most of the memory back;
+  - `full` keeps only each layer's input and runs the layer's forward pass again in the
+    backward pass: the least memory, about a third more compute;
+  - `none` keeps everything: Tunix's own behaviour.
+The values are the same under every policy: recomputing runs the same operations.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from lora_trainer.config import Remat
+from lora_trainer.models.attention import RESIDUALS
+
+_cp = jax.checkpoint_policies
+
+#: Policy name -> JAX rematerialisation policy (`none` is the absence of one).
+POLICIES = {
+    "dots": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable, _cp.save_only_these_names(RESIDUALS)),
+    "full": _cp.nothing_saveable,
+}
+
+
+def resolve(setting: Remat, backend: str) -> str:
+    """The policy a run uses: `auto` is `dots` on TPU (memory bounds the batch) and `none` elsewhere."""
+    if setting == "auto":
+        return "dots" if backend == "tpu" else "none"
+    return setting
+
+
+def apply(model: nnx.Module, policy: str) -> int:
+    """Set `policy` (a resolved name) on every decoder layer of `model`; returns how many layers took it.
+
+    Layers come from the families' `common.use_remat` seam; `none` restores Tunix's behaviour.
+    """
+    layers = [m for _, m in nnx.iter_modules(model) if hasattr(type(m), "remat_policy")]
+    for layer in layers:
+        layer.remat_policy = None if policy == "none" else policy
+    return len(layers)
