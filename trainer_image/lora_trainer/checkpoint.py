@@ -461,8 +461,12 @@ class TrainingCheckpoints:
                 force=True,
             )
 
+    def saving(self) -> bool:
+        """Whether a started save has yet to commit (this process's part of it)."""
+        return bool(self._mgr.is_saving_in_progress())
+
     def wait(self) -> None:
-        """Block until every started save has committed."""
+        """Block until every started save has committed; raises a save's error."""
         with _storage_faults(self.root, writing=True):
             self._mgr.wait_until_finished()
 

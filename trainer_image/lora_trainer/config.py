@@ -56,6 +56,8 @@ Family = Literal["llama3", "qwen3", "qwen2", "gemma3"]
 DType = Literal["float32", "bfloat16", "float16"]
 WeightQtype = Literal["nf4", "int4", "int8", "fp8"]
 Schedule = Literal["cosine", "linear", "constant"]
+Attention = Literal["auto", "splash", "xla"]
+Remat = Literal["auto", "none", "dots", "full"]
 DatasetFormat = Literal["text", "prompt-completion", "chat"]
 
 
@@ -165,6 +167,13 @@ class MeshSpec(ApiModel):
     """Devices along the tensor-parallel axis."""
 
 
+class CompilationCacheSpec(ApiModel):
+    enabled: bool = True
+    """Keep compiled programs across restarts, so a run resumed after a preemption does not compile its train step again (minutes for a large model)."""
+    uri: Annotated[str, Field(pattern=OUTPUT_URI_PATTERN, min_length=1)] | None = None
+    """Where the programs are kept (local path or `gs://`); default `<output.uri>/compilation-cache`. Share one location between runs of the same model and shapes to skip compiling on their first start too."""
+
+
 class TrainingSpec(ApiModel):
     steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 1000
     """Optimizer steps to train."""
@@ -192,6 +201,12 @@ class TrainingSpec(ApiModel):
     """Report step, loss, tokens/s and ETA every N steps."""
     mesh: MeshSpec = Field(default_factory=MeshSpec)
     """Device mesh; (data, fsdp, tp) with data = devices / (fsdp * tp)."""
+    remat: Remat = "auto"
+    """What the backward pass recomputes instead of keeping from the forward pass, per decoder layer: `none` keeps every activation (fastest, most memory), `dots` keeps only the matmul outputs and recomputes the cheap elementwise work (norms, activations, rope), `full` keeps only each layer's input and recomputes the layer (least memory, about a third more compute). `auto`: `dots` on TPU, `none` on CPU (where memory is rarely what limits a run)."""
+    attention: Attention = "auto"
+    """Attention kernel: `splash` (the Pallas splash-attention kernel, TPU only; sequence length a multiple of 128), `xla` (portable; CPU and GPU), or `auto` (splash on TPU where it applies, else xla). The result is the same function either way."""
+    compilation_cache: CompilationCacheSpec = Field(default_factory=CompilationCacheSpec)
+    """Persistent JAX compilation cache."""
 
     @model_validator(mode="after")
     def _accumulation_divides_batch(self) -> TrainingSpec:

@@ -19,7 +19,9 @@ How the pieces fit, and why:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import sys
@@ -34,12 +36,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from lora_trainer import checkpoint, data, distributed, host_memory, schedule, storage, tunix_trainer
+from lora_trainer import checkpoint, compile_cache, data, distributed, host_memory, schedule, storage, tunix_trainer
 from lora_trainer import metrics as mfu_metrics
 from lora_trainer.config import TrainConfig, TrainingSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora, lora_state, resolve_target_regex, set_lora_state
-from lora_trainer.models import load_model
+from lora_trainer.models import LoadedModel, load_model, remat
+from lora_trainer.models.loading import host_device, place_on_mesh
+from lora_trainer.models.attention import choose_kernel, padded_length
 from lora_trainer.progress import IntervalTimer, ProgressCallback, ProgressSink, progress_record
 from lora_trainer.stop import StopRequest
 
@@ -170,10 +174,8 @@ def _check_restored(cfg: TrainConfig, meta: dict[str, Any]) -> None:
             )
 
 
-def _seq_len(seqs: list[data.Sequence], max_seq_len: int) -> int:
-    """Pad every batch to one length (one compilation): the longest sequence, rounded up to 8, capped."""
-    longest = max(len(s.tokens) for s in seqs)
-    return min(max_seq_len, -(-longest // 8) * 8)
+def _longest(seqs: list[data.Sequence]) -> int:
+    return max(len(s.tokens) for s in seqs)
 
 
 def _flops_per_token(model: nnx.Module, hf_config: dict[str, Any], seq_len: int) -> float:
@@ -204,11 +206,72 @@ def run_training(cfg: TrainConfig, *, on_progress: ProgressCallback | None = Non
     _configure_logging()
     distributed.initialize()
     mesh = distributed.make_mesh(cfg.training.mesh)
-    with StopRequest(interruptible=interruptible).installed() as stop, warnings.catch_warnings():
+    cache = compile_cache.location(cfg.training.compilation_cache, cfg.output.uri)
+    with StopRequest(interruptible=interruptible).installed() as stop, warnings.catch_warnings(), compile_cache.persistent(cache):
         # Tunix 0.1.7 finds the mesh through the legacy `with mesh:` context (pxla.thread_resources).
         warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*mesh.*")
         with mesh:
             return _Run(cfg, mesh, stop, on_progress).run()
+
+
+@dataclasses.dataclass
+class _Data:
+    """The run's batches: the training stream, the eval set and the padded length of a training row."""
+
+    stream: data.BatchStream
+    eval_batches: list[dict[str, np.ndarray]] | None
+    seq_len: int
+
+
+class _Saves:
+    """The run's checkpoints, saved without stopping training: a save copies the state on the
+    devices and returns; Orbax writes and commits it in the background while the next steps run.
+
+    Why: waiting for each commit stalled the loop 2.5-4.3 s per checkpoint on a v5e chip (issue 21).
+    Only committed checkpoints are reported (`committed`, progress.json's lastCheckpoint), as
+    before; `finish` (the last step, SIGTERM, Ctrl-C) saves and waits for the commit, so a
+    stopped run still leaves its final step committed.
+    """
+
+    def __init__(self, root: str, store: checkpoint.TrainingCheckpoints, sink: ProgressSink,
+                 trainer: tunix_trainer.LoraPeftTrainer, stream: data.BatchStream, metadata: dict[str, Any], step: int) -> None:
+        self.root, self.store, self.sink, self.trainer, self.stream, self.metadata = root, store, sink, trainer, stream, metadata
+        self.started = step  # the newest step saved (or resumed from)
+        self.committed = checkpoint.step_uri(root, step) if step else None
+        self._pending: int | None = None
+
+    def start(self, step: int) -> None:
+        """Begin saving `step`. Copies of the arrays are handed to Orbax: the next step donates the model's own."""
+        copy = functools.partial(jax.tree.map, lambda x: x.copy() if isinstance(x, jax.Array) else x)
+        previous = self._pending
+        # Orbax first waits for the previous save to commit (raising its error), then copies and returns.
+        self.store.save(step, lora=copy(lora_state(self.trainer.model)), optimizer=copy(tunix_trainer.optimizer_state(self.trainer)),
+                        data=self.stream.state(), metadata=self.metadata)
+        self.started, self._pending = step, step
+        if previous is not None:
+            self._announce(previous)
+
+    def poll(self) -> None:
+        """Announce the save in flight if it has committed since (raising a storage fault if it failed)."""
+        if self._pending is not None and not self.store.saving():
+            self.store.wait()  # returns at once: raises the error of a save that failed in the background
+            self._announce(self._pending)
+
+    def finish(self, step: int) -> None:
+        """Save `step` unless it is saved already, and wait until every save has committed."""
+        if self.started != step:
+            self.start(step)
+        if self._pending is not None:
+            self.store.wait()
+            self._announce(self._pending)
+
+    def _announce(self, step: int) -> None:
+        """Checkpoint `step` has committed: progress.json names it, metrics and TensorBoard are made durable."""
+        if self._pending == step:
+            self._pending = None
+        self.committed = checkpoint.step_uri(self.root, step)
+        self.sink.checkpointed(self.committed)
+        self.sink.flush()
 
 
 class _Run:
@@ -221,12 +284,48 @@ class _Run:
         self.on_progress = on_progress
         self.root = checkpoint.checkpoint_root(cfg.output.uri)
         self.primary = jax.process_index() == 0
+        self.backend = jax.default_backend()
+        self.kernel = choose_kernel(cfg.training.attention, self.backend)
 
     def run(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.training
         storage.check_output_location(cfg.output.uri, "output.uri")  # before minutes of loading
+        loaded = self._load_base()
+        resume_step = checkpoint.latest_committed_step(self.root)
+        if resume_step is not None:
+            self._check_compatible(resume_step)
+            if resume_step >= t.steps:
+                log.info("training already finished at step %d (training.steps=%d); nothing to do", resume_step, t.steps)
+                return self._result(resume_step)
+        batches = self._data(loaded)
+        restored = None
+        if resume_step is None and cfg.lora.restore_from:
+            restored = _restore_adapter(cfg.lora.restore_from, cfg.model.source, loaded.family.name)
+            _check_restored(cfg, restored[1])
+        model = self._adapter(loaded, restored)
+        trainer = tunix_trainer.make_trainer(model, t, splash=self.kernel == "splash")
+        store = checkpoint.TrainingCheckpoints(self.root, keep=t.checkpoints_to_keep)
+        step = 0 if resume_step is None else self._resume(store, trainer, batches.stream, resume_step)
+        sink = ProgressSink(cfg.output.uri, primary=self.primary, resume_step=step, on_progress=self.on_progress)
+        try:
+            result = self._loop(trainer, batches, store, sink, step, loaded.hf_config)
+        except BaseException:
+            # No flush after a fault: in a storage outage it would wait out the retry deadline again
+            # and replace the error; the steps since the last checkpoint are redone on resume anyway.
+            sink.close(flush=False)
+            store.close()
+            raise
+        sink.close()
+        store.close()
+        return result
+
+    def _load_base(self) -> LoadedModel:
+        """The base model on the mesh, and the checkpoint metadata that says what this run trains."""
+        cfg = self.cfg
         start = time.perf_counter()
-        loaded = load_model(cfg.model.source, family=cfg.model.family, dtype=cfg.model.dtype, mesh=self.mesh)
+        # QLoRA quantizes on the host: the 16-bit base of a model that fits the chips only quantized never meets them.
+        loaded = load_model(cfg.model.source, family=cfg.model.family, dtype=cfg.model.dtype, mesh=self.mesh,
+                            on_host=cfg.lora.quantization is not None)
         log.info("loaded the %s model %s (%s parameters, %s) in %.1fs", loaded.family.name, cfg.model.source,
                  _count(loaded.model), cfg.model.dtype, time.perf_counter() - start)
         self.metadata = {
@@ -241,13 +340,11 @@ class _Run:
             "numLayers": loaded.family.num_layers(loaded.hf_config),
             "baseModelFingerprint": base_fingerprint(loaded.local_dir),
         }
-        resume_step = checkpoint.latest_committed_step(self.root)
-        if resume_step is not None:
-            self._check_compatible(resume_step)
-            if resume_step >= t.steps:
-                log.info("training already finished at step %d (training.steps=%d); nothing to do", resume_step, t.steps)
-                return self._result(resume_step)
+        return loaded
 
+    def _data(self, loaded: LoadedModel) -> _Data:
+        """Tokenize this process's share of the data; batches padded to one length per set."""
+        cfg, t = self.cfg, self.cfg.training
         micro = t.global_batch_size // t.gradient_accumulation
         data_ways = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         if micro % data_ways:
@@ -259,7 +356,7 @@ class _Run:
         pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
         share = data.Share(jax.process_index(), jax.process_count(), distributed.allgather_bytes)
         train_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.train, cfg.dataset, tokenizer, share), cfg.dataset)
-        seq_len = _seq_len(train_seqs, cfg.dataset.max_seq_len)
+        seq_len = padded_length(_longest(train_seqs), cfg.dataset.max_seq_len, self.kernel)
         if len(train_seqs) < t.global_batch_size:
             log.warning(
                 "training.globalBatchSize is %d but the training data holds %d sequences%s: every step repeats some "
@@ -274,63 +371,51 @@ class _Run:
                 seq_len, max_positions, max_positions,
             )  # fmt: skip
         stream = data.BatchStream(
-            train_seqs,
-            global_batch=micro,
-            seq_len=seq_len,
-            seed=t.seed,
-            pad_id=pad_id,
-            accumulation=t.gradient_accumulation,
+            train_seqs, global_batch=micro, seq_len=seq_len, seed=t.seed, pad_id=pad_id, accumulation=t.gradient_accumulation
         )
-        eval_ds = None
+        eval_batches = None
         if cfg.dataset.eval is not None:
             eval_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.eval, cfg.dataset, tokenizer, share), cfg.dataset)
-            eval_ds = data.eval_batches(
-                eval_seqs,
-                global_batch=micro,
-                seq_len=_seq_len(eval_seqs, cfg.dataset.max_seq_len),  # its own: an eval example may be longer
-                pad_id=pad_id,
-            )
+            eval_len = padded_length(_longest(eval_seqs), cfg.dataset.max_seq_len, self.kernel)  # an eval example may be longer
+            eval_batches = data.eval_batches(eval_seqs, global_batch=micro, seq_len=eval_len, pad_id=pad_id)
+        return _Data(stream, eval_batches, seq_len)
 
-        restored = None
-        if resume_step is None and cfg.lora.restore_from:
-            restored = _restore_adapter(cfg.lora.restore_from, cfg.model.source, loaded.family.name)
-            _check_restored(cfg, restored[1])
+    def _adapter(self, loaded: LoadedModel, restored: tuple[dict[str, Any], dict[str, Any]] | None) -> nnx.Module:
+        """The base with (Q)LoRA applied (and a `restoreFrom` adapter loaded), set to rematerialise as configured.
+
+        The LoRA model replaces the base in `loaded`: under QLoRA the base's 16-bit originals of the
+        quantized weights are then freed (Qwix clones the model, so the original kept them alive).
+        QLoRA is applied where the base was loaded, on the host, and the quantized model then
+        moved onto the mesh."""
+        cfg, quant = self.cfg, self.cfg.lora.quantization
         start = time.perf_counter()
-        applied = apply_lora(loaded.model, cfg.lora, loaded.family, seed=t.seed, batch_shape=(1, 8))
-        quant = cfg.lora.quantization
+        with jax.default_device(host_device()) if quant else contextlib.nullcontext():
+            applied = apply_lora(loaded.model, cfg.lora, loaded.family, seed=cfg.training.seed, batch_shape=(1, 8))
+        loaded.model = applied.model
+        if quant:
+            place_on_mesh(applied.model, self.mesh)
         log.info("added LoRA (%s trainable parameters)%s in %.1fs", _count(applied.model, nnx.LoRAParam),
                  f" and quantized the base weights to {quant.weight_qtype}" if quant else "", time.perf_counter() - start)
         self.metadata["modulePaths"] = applied.module_paths
         if restored is not None:
             set_lora_state(applied.model, restored[0])  # module or shape mismatches are a UserError listing them
             log.info("starting from the adapter in %s", cfg.lora.restore_from)
+        policy = remat.resolve(cfg.training.remat, self.backend)
+        layers = remat.apply(applied.model, policy)
+        log.info("attention: %s kernel; rematerialisation: %s (%d decoder layers)", self.kernel, policy, layers)
+        return applied.model
 
-        trainer = tunix_trainer.make_trainer(applied.model, t)
-
-        store = checkpoint.TrainingCheckpoints(self.root, keep=t.checkpoints_to_keep)
-        step = 0
-        if resume_step is not None:
-            lora, opt, position, _ = store.restore(
-                resume_step, lora_target=lora_state(trainer.model), optimizer_target=tunix_trainer.optimizer_state(trainer)
-            )
-            set_lora_state(trainer.model, lora)
-            tunix_trainer.restore_optimizer_state(trainer, opt)
-            stream.restore(position)
-            step = resume_step
-            log.info("resuming from step %d (checkpoint %s)", step, checkpoint.step_uri(self.root, step))
-
-        sink = ProgressSink(cfg.output.uri, primary=self.primary, resume_step=step, on_progress=self.on_progress)
-        try:
-            result = self._loop(trainer, stream, eval_ds, store, sink, step, loaded.hf_config, seq_len)
-        except BaseException:
-            # No flush after a fault: in a storage outage it would wait out the retry deadline again
-            # and replace the error; the steps since the last checkpoint are redone on resume anyway.
-            sink.close(flush=False)
-            store.close()
-            raise
-        sink.close()
-        store.close()
-        return result
+    def _resume(self, store: checkpoint.TrainingCheckpoints, trainer: tunix_trainer.LoraPeftTrainer,
+                stream: data.BatchStream, step: int) -> int:
+        """LoRA params, optimizer state and data position from committed checkpoint `step`; returns it."""
+        lora, opt, position, _ = store.restore(
+            step, lora_target=lora_state(trainer.model), optimizer_target=tunix_trainer.optimizer_state(trainer)
+        )
+        set_lora_state(trainer.model, lora)
+        tunix_trainer.restore_optimizer_state(trainer, opt)
+        stream.restore(position)
+        log.info("resuming from step %d (checkpoint %s)", step, checkpoint.step_uri(self.root, step))
+        return step
 
     def _check_compatible(self, step: int) -> None:
         saved = checkpoint.read_metadata(self.root, step)
@@ -345,52 +430,37 @@ class _Run:
     def _loop(
         self,
         trainer: tunix_trainer.LoraPeftTrainer,
-        stream: data.BatchStream,
-        eval_ds: list[dict[str, np.ndarray]] | None,
+        batches: _Data,
         store: checkpoint.TrainingCheckpoints,
         sink: ProgressSink,
         step: int,
         hf_config: dict[str, Any],
-        seq_len: int,
     ) -> TrainResult:
         t = self.cfg.training
         lr = schedule.learning_rate_schedule(t)
-        flops_per_token = _flops_per_token(trainer.model, hf_config, seq_len)
+        flops_per_token = _flops_per_token(trainer.model, hf_config, batches.seq_len)
         kinds = [d.device_kind for d in jax.devices()]
-        saved_step = step
-        last_checkpoint = checkpoint.step_uri(self.root, step) if step else None
+        saves = _Saves(self.root, store, sink, trainer, batches.stream, self.metadata, step)
         loss = eval_loss = None
         # The first step in a process compiles the train step (seconds to minutes): it stays out of
         # the timed interval, or the first line's tokens/s and ETA were off by that much.
         timer, timed_steps, untimed_tokens, compiled = IntervalTimer(time.perf_counter), 0, 0, False
         eval_seconds = 0.0  # the last eval pass's duration, for the ETA (unknown, 0, until one ran)
 
-        def save(at: int) -> None:
-            nonlocal saved_step, last_checkpoint
-            store.save(at, lora=lora_state(trainer.model), optimizer=tunix_trainer.optimizer_state(trainer), data=stream.state(), metadata=self.metadata)
-            store.wait()
-            saved_step, last_checkpoint = at, checkpoint.step_uri(self.root, at)
-            sink.checkpointed(last_checkpoint)
-            sink.flush()
-
         while step < t.steps:
             if self.stop.requested():
-                if saved_step != step:
-                    save(step)
+                saves.finish(step)
                 raise self.stop.error(step, self.root)
-            micro_batches = [tunix_trainer.on_mesh(next(stream), self.mesh) for _ in range(t.gradient_accumulation)]
+            micro_batches = [tunix_trainer.on_mesh(next(batches.stream), self.mesh) for _ in range(t.gradient_accumulation)]
             if compiled:
                 trainer.train(micro_batches)
                 timed_steps += 1
             else:
                 with timer.paused():
-                    start = time.perf_counter()
-                    trainer.train(micro_batches)
-                    untimed_tokens = tunix_trainer.weighted_loss(trainer.train_aux[-t.gradient_accumulation :])[2]  # waits for the step
-                    log.info("step %d compiled the train step and ran in %.1fs (left out of tokens/s, step time and ETA)",
-                             step + 1, time.perf_counter() - start)
+                    untimed_tokens = self._first_step(trainer, micro_batches, step)
                 compiled = True
             step += 1
+            saves.poll()
             if step % t.log_every == 0 or step == t.steps:
                 loss, _, tokens = tunix_trainer.weighted_loss(trainer.train_aux)
                 trainer.train_aux.clear()
@@ -404,7 +474,7 @@ class _Run:
                     tokens_per_second=tps,
                     step_time_seconds=elapsed / timed_steps if timed_steps else None,
                     mfu=None if tps is None else mfu_metrics.mfu(tps, flops_per_token, kinds),
-                    last_checkpoint=last_checkpoint,
+                    last_checkpoint=saves.committed,
                     pending_seconds=eval_seconds * evals_due(step, t),
                 )
                 sink.emit(record)
@@ -412,18 +482,30 @@ class _Run:
             with timer.paused():
                 # After a SIGTERM the checkpoint comes first: an eval pass could outlast the grace period.
                 due = evals_due(step - 1, t) > evals_due(step, t)  # a pass runs at this step
-                if eval_ds and due and not self.stop.requested():
+                if batches.eval_batches and due and not self.stop.requested():
                     first, start = not eval_seconds, time.perf_counter()
-                    eval_loss = self._evaluate(trainer, (tunix_trainer.on_mesh(b, self.mesh) for b in eval_ds))
+                    eval_loss = self._evaluate(trainer, (tunix_trainer.on_mesh(b, self.mesh) for b in batches.eval_batches))
                     eval_seconds = time.perf_counter() - start
                     sink.scalar("eval/loss", eval_loss, step)
-                    log.info("step %d: eval loss %.4f (%d batches in %.1fs%s)", step, eval_loss, len(eval_ds), eval_seconds,
-                             ", the first compiling the eval step" if first else "")
-                if step % t.checkpoint_every == 0 or step == t.steps:
-                    save(step)
-        if saved_step != step:
-            save(step)
+                    log.info("step %d: eval loss %.4f (%d batches in %.1fs%s)", step, eval_loss, len(batches.eval_batches),
+                             eval_seconds, ", the first compiling the eval step" if first else "")
+                if step % t.checkpoint_every == 0 and step < t.steps:
+                    saves.start(step)
+        saves.finish(step)
         return self._result(step, final_loss=loss, eval_loss=eval_loss)
+
+    def _first_step(self, trainer: tunix_trainer.LoraPeftTrainer, micro_batches: list[dict[str, jax.Array]], step: int) -> int:
+        """Run the step that compiles the train step; log its time and the compiled program's memory.
+        Returns its tokens (left out of tokens/s)."""
+        start = time.perf_counter()
+        trainer.train(micro_batches)
+        tokens = tunix_trainer.weighted_loss(trainer.train_aux[-len(micro_batches):])[2]  # waits for the step
+        log.info("step %d compiled the train step and ran in %.1fs (left out of tokens/s, step time and ETA)",
+                 step + 1, time.perf_counter() - start)
+        memory = tunix_trainer.compiled_memory(trainer, micro_batches[0])
+        if memory is not None:
+            log.info("train step memory per device: %s", memory)
+        return tokens
 
     def _result(self, step: int, *, final_loss: float | None = None, eval_loss: float | None = None) -> TrainResult:
         return TrainResult(

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.interpreters import pxla
-from tunix.sft import peft_trainer
+from tunix.sft import peft_trainer, sharding_utils
 
 from lora_trainer import schedule
 from lora_trainer.config import TrainingSpec
@@ -73,6 +73,7 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
         def bind(f: Any, *args: Any) -> functools.partial:  # as Tunix binds them: its train() reads `.func.jitted_fn`
             return functools.partial(nnx.cached_partial(f, *args)) if cache_nnx_graph else functools.partial(f, *args)
 
+        self.train_step = train_step  # unbound, for `compiled_memory`
         self._jitted_train_step_fn = bind(train_step, self.model, self.optimizer)
         self._jitted_eval_step_fn = bind(eval_step, self.model)
         return self._jitted_train_step_fn, self._jitted_eval_step_fn
@@ -100,8 +101,10 @@ def _replicated_on(mesh: jax.sharding.Mesh, x: Any) -> Any:
     return jax.device_put(x, target)
 
 
-def make_trainer(model: nnx.Module, t: TrainingSpec) -> LoraPeftTrainer:
+def make_trainer(model: nnx.Module, t: TrainingSpec, *, splash: bool = False, interpret: bool = False) -> LoraPeftTrainer:
     """Tunix's PeftTrainer for `model` (which must hold LoRAParams) with AdamW + schedule, our loss and inputs.
+
+    `splash`: the model attends with the splash kernel (`loss.model_inputs`); `interpret` runs it on the CPU (tests).
 
     Batches are sharded over the mesh's (data, fsdp) axes together; Tunix's own checkpointing is off.
     The steps take the model's arrays (donated, see `LoraPeftTrainer.jit_train_and_eval_step`): once
@@ -121,7 +124,8 @@ def make_trainer(model: nnx.Module, t: TrainingSpec) -> LoraPeftTrainer:
             pbar_description=None,
         ),
     )
-    trainer.with_loss_fn(lm_loss, has_aux=True).with_gen_model_input_fn(model_inputs)
+    inputs = functools.partial(model_inputs, splash=splash, interpret=interpret)
+    trainer.with_loss_fn(lm_loss, has_aux=True).with_gen_model_input_fn(inputs)
     return trainer
 
 
@@ -137,6 +141,22 @@ def on_mesh(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, 
     """
     sharding = jax.sharding.NamedSharding(mesh, _BATCH)
     return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index]) for k, v in batch.items()}
+
+
+def compiled_memory(trainer: LoraPeftTrainer, micro_batch: dict[str, jax.Array]) -> str | None:
+    """What the compiled train step needs on each device, as XLA planned it: arguments, outputs
+    and temporaries (device memory statistics miss the temporaries between steps). None where the
+    backend reports nothing (CPU). The step is already compiled: this reads JAX's cached program.
+    """
+    inputs = sharding_utils.shard_input(trainer._prepare_inputs(micro_batch), trainer.config.data_sharding_axis)
+    stats = trainer.train_step.lower(trainer.model, trainer.optimizer, inputs).compile().memory_analysis()
+    if stats is None or not stats.temp_size_in_bytes:
+        return None
+    gib = 2.0**30
+    peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    return (f"{peak / gib:.2f} GiB at peak = arguments {stats.argument_size_in_bytes / gib:.2f} + outputs "
+            f"{stats.output_size_in_bytes / gib:.2f} - donated {stats.alias_size_in_bytes / gib:.2f} + temporaries "
+            f"{stats.temp_size_in_bytes / gib:.2f}")
 
 
 def weighted_loss(aux: list[dict[str, jax.Array]]) -> tuple[float, int, int]:

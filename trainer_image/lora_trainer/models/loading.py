@@ -113,6 +113,11 @@ def build_abstract(family: FamilySpec, hf_config: Mapping[str, Any], dtype: str)
         ) from e
 
 
+def host_device() -> jax.Device:
+    """This process's CPU device: where a model too large for the accelerators in 16 bits is staged (QLoRA)."""
+    return jax.local_devices(backend="cpu")[0]
+
+
 def fill_params(
     abstract: nnx.Module,
     family: FamilySpec,
@@ -121,8 +126,12 @@ def fill_params(
     *,
     dtype: str,
     mesh: jax.sharding.Mesh | None = None,
+    on_host: bool = False,
 ) -> nnx.Module:
-    """A concrete model whose every parameter comes from `tensors` through the family's table."""
+    """A concrete model whose every parameter comes from `tensors` through the family's table.
+
+    With `on_host` every parameter stays on this process's CPU (`host_device`), annotated for
+    `mesh` as if it had been placed there; `place_on_mesh` moves the model later."""
     graphdef, state = nnx.split(abstract)
     variables = {"/".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
     loaded: dict[str, jax.Array] = {}
@@ -140,15 +149,17 @@ def fill_params(
             )
         array = np.asarray(rule.to_nnx(tensors.get(hf_key), shape)).astype(DTYPES[dtype])
         if mesh is not None:
-            # Each process puts only its addressable shards on its devices (multi-host safe).
             spec = _partition_spec(var, shape, mesh)
-            loaded[nnx_path] = jax.make_array_from_callback(shape, jax.sharding.NamedSharding(mesh, spec), lambda index, a=array: a[index])
             # The annotation says what was placed: Qwix gives each LoRA factor its weight's annotation
             # and Tunix constrains the optimizer state to it, so an axis that does not divide (3
             # heads over tp=2) raised IndivisibleError at the first step.
             key = next((k for k in _SHARDING_KEYS if var.get_metadata().get(k)), None)
             if key is not None:
                 var.set_metadata(key, tuple(spec))
+        if on_host:
+            loaded[nnx_path] = jax.device_put(array, host_device())
+        elif mesh is not None:
+            loaded[nnx_path] = _on_mesh(array, jax.sharding.NamedSharding(mesh, spec))
         else:
             loaded[nnx_path] = jnp.asarray(array)
     missing = sorted(set(variables) - set(loaded))
@@ -167,15 +178,53 @@ def fill_params(
     return nnx.merge(graphdef, state)
 
 
+def _on_mesh(array: np.ndarray, sharding: jax.sharding.NamedSharding) -> jax.Array:
+    """A host array as a global array: each process puts only its addressable shards on its devices (multi-host safe)."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def _leaf_on_mesh(leaf: Any, names: tuple[Any, ...], mesh: jax.sharding.Mesh) -> Any:
+    """One array of a variable's value on `mesh`, split by the variable's axis names where they divide it."""
+    if not isinstance(leaf, jax.Array):
+        return leaf
+    if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(_leaf_on_mesh(jax.random.key_data(leaf), names, mesh), impl=jax.random.key_impl(leaf))
+    axes = [n if n is not None and n in mesh.shape and dim % mesh.shape[n] == 0 else None
+            for dim, n in zip(leaf.shape, tuple(names) + (None,) * (leaf.ndim - len(names)))]
+    return _on_mesh(np.asarray(leaf), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes)))
+
+
+def place_on_mesh(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
+    """Move a model staged on the host (`load_model(on_host=True)`, then QLoRA applied there) onto `mesh`.
+
+    Every array of every variable takes its variable's sharding annotation, axes that do not
+    divide it replicated: a QLoRA weight's packed values split like the weight, its scales
+    where their (tiled) axes still divide. The host copies are released as the model lets go of them.
+    """
+    state = nnx.state(model)
+    for _, var in nnx.to_flat_state(state):
+        meta = var.get_metadata()
+        names = tuple(next((meta[k] for k in _SHARDING_KEYS if meta.get(k)), ()))
+        var.set_value(jax.tree.map(lambda leaf, names=names: _leaf_on_mesh(leaf, names, mesh), var.get_value()))
+    nnx.update(model, state)
+
+
 def load_model(
-    source: str, *, family: str | None = None, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None
+    source: str,
+    *,
+    family: str | None = None,
+    dtype: str = "float32",
+    mesh: jax.sharding.Mesh | None = None,
+    on_host: bool = False,
 ) -> LoadedModel:
     """Load an HF safetensors checkpoint (local dir or gs://) as the family's NNX model.
 
     `family` overrides detection from config.json; `dtype` is the dtype of the base weights
     (float32, bfloat16, float16); with `mesh`, each weight is placed with a NamedSharding
     from Tunix's per-parameter annotations (axes the mesh lacks or that do not divide a
-    dimension are replicated).
+    dimension are replicated). `on_host` keeps the weights on this process's CPU, annotated for
+    `mesh` (`place_on_mesh` moves them): QLoRA quantizes there, so a base too large for the
+    accelerators in 16 bits never has to fit on them.
     """
     if dtype not in DTYPES:
         raise UserError(f"model.dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
@@ -185,5 +234,5 @@ def load_model(
     tensors = SafetensorsCheckpoint(directory)
     spec, hf_config = get_family(name).for_checkpoint(hf_config, tensors.keys())
     abstract = build_abstract(spec, hf_config, dtype)
-    model = fill_params(abstract, spec, hf_config, tensors, dtype=dtype, mesh=mesh)
+    model = fill_params(abstract, spec, hf_config, tensors, dtype=dtype, mesh=mesh, on_host=on_host)
     return LoadedModel(model=model, family=spec, hf_config=hf_config, local_dir=directory)

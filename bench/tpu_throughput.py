@@ -1,0 +1,410 @@
+"""The trainer on a real TPU chip: tokens/s, MFU, compile time (cold and warm), memory, checkpoint cost.
+
+Run by hand on a machine with one TPU chip (never in CI), e.g. through the `device` tool:
+
+    python bench/tpu_throughput.py --out /tmp/tpu-bench [--cases 1b-lora,3b-lora,8b-qlora,...] [--check]
+
+Each case writes a random Llama-shaped HF checkpoint (bfloat16 safetensors, a small BPE
+tokenizer; shapes of Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B) and runs the real
+`lora-trainer train --config` in a subprocess, as a user would: packed text rows of exactly
+`seq` tokens, LoRA rank 16 (alpha 32) on all seven projections, AdamW, bfloat16 base. It reads
+the trainer's own progress lines (tokens/s, MFU, step time) and log lines (compile time,
+compiled memory), and times from the process start to the first finished step. A case then
+runs again, resuming from its checkpoint with the compilation cache warm: the restart's time to
+its first step. The `full-ft` case trains every weight of the same model (bfloat16 AdamW
+moments) in a bare jitted step of the same loss, kernels and rematerialisation.
+
+MFU is the trainer's (`lora_trainer.metrics`): model FLOPs per token = 4 x (base matmul
+parameters, the LM head included, the embedding lookup not) + 6 x LoRA parameters +
+attention (2 x 2 x seq x heads x head_dim per layer forward, halved by causality, x3 for forward
+and backward); a full fine-tune counts 6 x parameters instead of 4. Rematerialised work is not
+counted (it is not model FLOPs). Peak: 197 TFLOP/s bf16 for a v5e chip.
+
+`--check` first compares the splash kernel with the XLA attention in bfloat16 on the chip.
+Results go to `<out>/results.json` as each case ends; `--write` also rewrites the "TPU"
+section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "trainer_image"))
+import report  # noqa: E402  (bench/ is on sys.path when a script here runs)
+
+SECTION = "## TPU"
+
+#: HF config.json of each shape (random weights; Llama 3.x layouts and rope).
+SHAPES: dict[str, dict[str, Any]] = {
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True},
+    "3b": {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+           "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+    # A few-second model to check this harness on a CPU (`--cases tiny-lora,tiny-full-ft`).
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": False, "vocab_size": 4096},
+}
+COMMON = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_act": "silu",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "attention_bias": False,
+    "mlp_bias": False, "torch_dtype": "bfloat16",
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}
+
+#: name -> (shape, seq, micro-batch, accumulation, extra train-config fields). Steps: 1 compiling + timed ones.
+CASES: dict[str, tuple[str, int, int, int, dict[str, Any]]] = {
+    "1b-lora": ("1b", 2048, 4, 2, {}),
+    "1b-lora-xla": ("1b", 2048, 4, 2, {"training": {"attention": "xla"}}),
+    "1b-qlora": ("1b", 2048, 4, 2, {"lora": {"quantization": {"weightQtype": "nf4", "tileSize": 64}}}),
+    "3b-lora": ("3b", 2048, 2, 4, {}),
+    "3b-lora-full": ("3b", 2048, 4, 2, {"training": {"remat": "full"}}),
+    "3b-qlora": ("3b", 2048, 2, 4, {"lora": {"quantization": {"weightQtype": "nf4", "tileSize": 64}}}),
+    "8b-qlora": ("8b", 2048, 2, 4, {"lora": {"quantization": {"weightQtype": "nf4", "tileSize": 64}}}),
+    "1b-full-ft": ("1b", 2048, 2, 1, {}),
+    "tiny-lora": ("tiny", 256, 2, 2, {}),
+    "tiny-full-ft": ("tiny", 256, 2, 1, {}),
+}
+STEPS, CHECKPOINT_EVERY = 12, 4
+PEAK = 197e12
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """A safetensors file (bfloat16), written directly: no torch on the TPU machine."""
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        header[name] = {"dtype": "BF16", "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with path.open("wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for array in tensors.values():
+            f.write(array.tobytes())
+
+
+def write_checkpoint(shape: str, directory: Path) -> Path:
+    """A random Llama checkpoint of `shape` (one safetensors file per layer), unless already there."""
+    import ml_dtypes
+
+    from lora_trainer.tiny_models import build_tokenizer
+
+    if (directory / "config.json").exists():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = {**COMMON, **SHAPES[shape]}
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    n, k, h = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    pool = (np.random.default_rng(0).standard_normal(1 << 24, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+
+    @functools.cache
+    def rand(*dims: int) -> np.ndarray:  # random values without drawing billions of numbers: one per shape, from a pool
+        size = int(np.prod(dims))
+        start = int(np.random.default_rng(size).integers(0, pool.size))
+        return np.resize(np.roll(pool, -start), size).reshape(dims)
+
+    ones = np.ones(d, ml_dtypes.bfloat16)
+    files: dict[str, dict[str, np.ndarray]] = {"model-embed.safetensors": {"model.embed_tokens.weight": rand(v, d), "model.norm.weight": ones}}
+    if not cfg["tie_word_embeddings"]:
+        files["model-embed.safetensors"]["lm_head.weight"] = rand(v, d)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        files[f"model-layer{i:03d}.safetensors"] = {
+            p + "self_attn.q_proj.weight": rand(n * h, d), p + "self_attn.k_proj.weight": rand(k * h, d),
+            p + "self_attn.v_proj.weight": rand(k * h, d), p + "self_attn.o_proj.weight": rand(d, n * h),
+            p + "mlp.gate_proj.weight": rand(f, d), p + "mlp.up_proj.weight": rand(f, d), p + "mlp.down_proj.weight": rand(d, f),
+            p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones,
+        }
+    weight_map = {}
+    for name, tensors in files.items():
+        _write_safetensors(directory / name, tensors)
+        weight_map.update(dict.fromkeys(tensors, name))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    tokenizer = build_tokenizer(4096)
+    cfg.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_dataset(path: Path, rows: int = 4000) -> Path:
+    """Plain text rows of random words (packed into full sequences by the trainer)."""
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        words = ["alpha", "beta", "gamma", "delta", "tensor", "chip", "matrix", "adapter", "rank", "token", "layer", "model"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for _ in range(rows):
+                f.write(json.dumps({"text": " ".join(rng.choice(words, 300))}) + "\n")
+    return path
+
+
+def train_config(case: str, model: Path, data: Path, out: Path, steps: int) -> dict[str, Any]:
+    shape, seq, micro, accumulation, extra = CASES[case]
+    cfg: dict[str, Any] = {
+        "model": {"source": str(model), "dtype": "bfloat16"},
+        "dataset": {"train": str(data), "format": "text", "maxSeqLen": seq, "packing": True},
+        "lora": {"rank": 16, "alpha": 32.0},
+        "training": {"steps": steps, "globalBatchSize": micro * accumulation, "gradientAccumulation": accumulation,
+                     "learningRate": 1e-4, "checkpointEvery": CHECKPOINT_EVERY, "logEvery": 1, "schedule": "constant"},
+        "output": {"uri": str(out)},
+    }
+    for section, fields in extra.items():
+        cfg[section] = {**cfg[section], **fields}
+    return cfg
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _run(argv: list[str], log: Path, timeout: float) -> dict[str, Any]:
+    """Run a trainer process; time each stdout progress line and the first step's log line from its start."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines: list[tuple[float, str]] = []
+    assert proc.stdout is not None
+    with log.open("w") as f:
+        for line in proc.stdout:
+            lines.append((time.perf_counter() - start, line))
+            f.write(line)
+            f.flush()
+            if time.perf_counter() - start > timeout:
+                proc.kill()
+                break
+    code = proc.wait()
+    return {"code": code, "lines": lines, "seconds": time.perf_counter() - start}
+
+
+def _summary(run: dict[str, Any], seq: int) -> dict[str, Any]:
+    """What a trainer run's output says: step times, tokens/s, MFU, compile time, memory, checkpoint cost."""
+    text = "".join(line for _, line in run["lines"])
+    progress = [(t, json.loads(line)) for t, line in run["lines"] if line.startswith("{") and '"step"' in line]
+    first = re.search(r"step (\d+) compiled the train step and ran in ([\d.]+)s", text)
+    first_at = next((t for t, line in run["lines"] if "compiled the train step" in line), None)
+    memory = re.search(r"train step memory per device: (.*)", text)
+    timed = [r for _, r in progress[1:] if r.get("stepTimeSeconds")]
+    # Wall time between progress lines (each waits for its step): a save blocks between the line of
+    # the step it saves and the next one.
+    gaps = {r["step"]: t - t0 for (t0, _), (t, r) in zip(progress, progress[1:])}
+    after_save = [gaps[s] for s in gaps if (s - 1) % CHECKPOINT_EVERY == 0 and s > 1]
+    plain = [gaps[s] for s in gaps if (s - 1) % CHECKPOINT_EVERY]
+    out: dict[str, Any] = {
+        "exit": run["code"],
+        "load": _seconds(r"loaded the .* in ([\d.]+)s", text),
+        "lora": _seconds(r"added LoRA .* in ([\d.]+)s", text),
+        "first_step": float(first.group(2)) if first else None,
+        "start_to_first_step": first_at,
+        "memory": memory.group(1) if memory else None,
+        "step_seconds": statistics.median(r["stepTimeSeconds"] for r in timed) if timed else None,
+        "tokens_per_second": statistics.median(r["tokensPerSecond"] for r in timed) if timed else None,
+        "mfu": _median([r["mfu"] for r in timed if r.get("mfu") is not None]),
+    }
+    if after_save and plain:
+        base = statistics.median(plain)
+        out["save_extra_seconds"] = statistics.mean(after_save) - base
+        out["save_extra_percent_of_interval"] = 100 * (statistics.mean(after_save) - base) / (base * CHECKPOINT_EVERY)
+    if run["code"] != 0:
+        out["tail"] = text[-2000:]
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _seconds(pattern: str, text: str) -> float | None:
+    m = re.search(pattern, text)
+    return float(m.group(1)) if m else None
+
+
+def run_case(case: str, work: Path, timeout: float) -> dict[str, Any]:
+    shape, seq, *_ = CASES[case]
+    model = write_checkpoint(shape, work / f"model-{shape}")
+    data = write_dataset(work / "data.jsonl")
+    out = work / f"run-{case}"
+    cfg_path = work / f"{case}.json"
+    if case.endswith("full-ft"):
+        cfg_path.write_text(json.dumps(train_config(case, model, data, out, STEPS)))
+        cold = _run([sys.executable, __file__, "--full-ft-worker", str(cfg_path)], work / f"{case}.log", timeout)
+        return {"case": case, "cold": _summary(cold, seq)}
+    cfg_path.write_text(json.dumps(train_config(case, model, data, out, STEPS)))
+    cold = _run([sys.executable, "-m", "lora_trainer.cli", "train", "--config", str(cfg_path)], work / f"{case}.log", timeout)
+    result = {"case": case, "cold": _summary(cold, seq)}
+    if cold["code"] == 0:  # the same run restarted (as after a preemption): resumes, with the compilation cache warm
+        cfg_path.write_text(json.dumps(train_config(case, model, data, out, STEPS + 3)))
+        warm = _run([sys.executable, "-m", "lora_trainer.cli", "train", "--config", str(cfg_path)], work / f"{case}-warm.log", timeout)
+        result["warm"] = _summary(warm, seq)
+    return result
+
+
+# --------------------------------------------------------------------------- full fine-tune (comparison)
+
+
+def full_ft_worker(config: Path) -> None:
+    """Every weight trained, in a bare jitted step of the trainer's loss, kernels and rematerialisation;
+    prints progress lines as the trainer does (the same summary reads them)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from lora_trainer import data as data_lib
+    from lora_trainer import metrics
+    from lora_trainer.config import TrainConfig
+    from lora_trainer.loss import lm_loss, model_inputs
+    from lora_trainer.models import load_model, remat
+    from lora_trainer.models.attention import choose_kernel
+
+    cfg = TrainConfig.model_validate(json.loads(config.read_text()))
+    t = cfg.training
+    loaded = load_model(cfg.model.source, dtype=cfg.model.dtype)
+    model = loaded.model
+    remat.apply(model, remat.resolve(t.remat, jax.default_backend()))
+    splash = choose_kernel(t.attention, jax.default_backend()) == "splash"
+    optimizer = nnx.Optimizer(model, optax.adamw(t.learning_rate, mu_dtype="bfloat16"), wrt=nnx.Param)
+    tokenizer = data_lib.load_tokenizer(loaded.local_dir)
+    seqs = data_lib.to_sequences(data_lib.tokenize_file(cfg.dataset.train, cfg.dataset, tokenizer), cfg.dataset)
+    stream = data_lib.BatchStream(seqs, global_batch=t.global_batch_size, seq_len=cfg.dataset.max_seq_len, seed=0,
+                                  pad_id=tokenizer.pad_token_id)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax.Array]) -> jax.Array:
+        inputs = model_inputs(batch, splash=splash)
+        loss, grads = nnx.value_and_grad(lambda m: lm_loss(m, **inputs)[0])(model)
+        optimizer.update(model, grads)
+        return loss
+
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    hf = loaded.hf_config
+    lookup = 0 if hf.get("tie_word_embeddings") else hf["hidden_size"] * hf["vocab_size"]
+    lora_flops = metrics.lora_train_flops_per_token(
+        matmul_params=params - lookup, lora_params=0, num_layers=hf["num_hidden_layers"],
+        attn_width=hf["num_attention_heads"] * hf["head_dim"], seq_len=cfg.dataset.max_seq_len)
+    flops = lora_flops + 2.0 * (params - lookup)  # weight gradients too: 6N
+    tokens = t.global_batch_size * cfg.dataset.max_seq_len
+    start = time.perf_counter()
+    for i in range(t.steps):
+        batch = {k: jax.numpy.asarray(v) for k, v in next(stream).items() if k != "loss_norm"}
+        loss = float(step(model, optimizer, batch))
+        now = time.perf_counter()
+        if i == 0:
+            print(f"step 1 compiled the train step and ran in {now - start:.1f}s", file=sys.stderr, flush=True)
+            stats = step.lower(model, optimizer, batch).compile().memory_analysis()
+            peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+            print(f"train step memory per device: {peak / 2**30:.2f} GiB at peak", file=sys.stderr, flush=True)
+            dt = None
+        else:
+            dt = now - start
+        print(json.dumps({"step": i + 1, "loss": loss, "stepTimeSeconds": dt, "tokensPerSecond": tokens / dt if dt else None,
+                          "mfu": tokens / dt * flops / PEAK if dt else None}), flush=True)
+        start = now
+
+
+# --------------------------------------------------------------------------- splash check
+
+
+def check_splash() -> dict[str, Any]:
+    """The splash kernel against the XLA attention in bfloat16 on the chip: max error relative to the
+    largest magnitude, for the output and the three gradients, on the 1B and 8B attention shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    from lora_trainer.models.attention import SegmentMask, causal_gqa_attention
+
+    results = {}
+    for name, (b, t, n, kv, d) in {"1b": (2, 2048, 32, 8, 64), "8b": (1, 2048, 32, 8, 128)}.items():
+        keys = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(keys[0], (b, t, n, d), jnp.bfloat16)
+        k = jax.random.normal(keys[1], (b, t, kv, d), jnp.bfloat16)
+        v = jax.random.normal(keys[2], (b, t, kv, d), jnp.bfloat16)
+        seg = jnp.concatenate([jnp.ones((b, t - 500), jnp.int32), 2 * jnp.ones((b, 400), jnp.int32), jnp.zeros((b, 100), jnp.int32)], 1)
+        dense = jnp.tril(jnp.ones((t, t), bool))[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+        real = (seg > 0)[:, :, None, None]
+        g = jax.random.normal(keys[3], q.shape, jnp.bfloat16) * real
+
+        def f(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any) -> tuple[jax.Array, Any]:
+            out, vjp = jax.vjp(lambda q, k, v: causal_gqa_attention(q, k, v, mask, d**-0.5), q, k, v)
+            return out * real, vjp(g)
+
+        ref, xla = jax.jit(f)(q, k, v, dense)
+        got, spl = jax.jit(f)(q, k, v, SegmentMask(seg))
+        rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b.astype(jnp.float32))))  # noqa: E731
+        results[name] = {"out": rel(got, ref), "dq": rel(spl[0], xla[0]), "dk": rel(spl[1], xla[1]), "dv": rel(spl[2], xla[2])}
+    return results
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = ["| case | micro-batch x accumulation | step | tokens/s | MFU | compile (cold) | restart to 1st step (warm) | compiled memory | save cost |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "case" not in r:
+            continue
+        _, seq, micro, acc, _ = CASES[r["case"]]
+        c, w = r["cold"], r.get("warm") or {}
+        if c["exit"] != 0:
+            rows.append(f"| {r['case']} | {micro} x {acc} | failed (exit {c['exit']}) | | | | | | |")
+            continue
+        save = "-" if c.get("save_extra_seconds") is None else f"{c['save_extra_seconds']:.2f} s ({c['save_extra_percent_of_interval']:.1f}% of {CHECKPOINT_EVERY} steps)"
+        rows.append(f"| {r['case']} | {micro} x {acc} | {_fmt(c['step_seconds'], '.3f')} s | {_fmt(c['tokens_per_second'], ',.0f')} | "
+                    f"{_fmt(c['mfu'] and 100 * c['mfu'], '.1f')}% | {_fmt(c['first_step'], '.0f')} s | "
+                    f"{_fmt(w.get('start_to_first_step'), '.1f')} s | {c['memory'] or '-'} | {save} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, default=Path("/tmp/tpu-bench"), help="checkpoints, data and runs (tens of GB)")
+    p.add_argument("--out", type=Path, default=Path("/tmp/tpu-bench"), help="results.json and the runs' logs")
+    p.add_argument("--cases", default="1b-lora,3b-lora,8b-qlora,1b-qlora,1b-full-ft")
+    p.add_argument("--timeout", type=float, default=420.0, help="seconds per trainer process")
+    p.add_argument("--check", action="store_true", help="first compare the splash kernel with the XLA attention")
+    p.add_argument("--write", action="store_true", help="rewrite the TPU section of docs/benchmarks.md")
+    p.add_argument("--full-ft-worker", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.full_ft_worker:
+        full_ft_worker(args.full_ft_worker)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    if args.check:
+        results.append({"splash_check": check_splash()})
+        print(json.dumps(results[-1]), flush=True)
+    for case in args.cases.split(","):
+        results.append(run_case(case, args.work, args.timeout))
+        print(json.dumps(results[-1], default=str)[:3000], flush=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        with (args.out / "logs.txt").open("a") as f:
+            for log in sorted(args.work.glob(f"{case}*.log")):
+                f.write(f"===== {log.name}\n{log.read_text()[-20000:]}\n")
+    print(table(results))
+    if args.write:
+        report.write_section(SECTION, f"{SECTION}\n\n{table(results)}\n")
+
+
+if __name__ == "__main__":
+    main()
