@@ -115,6 +115,9 @@ def resolve_local_paths(spec: LoraFinetuneSpec, base: Path, output: str | None =
     if "restoreFrom" in wire.get("lora", {}):
         wire["lora"]["restoreFrom"] = _resolve(wire["lora"]["restoreFrom"], base)
     wire["output"]["uri"] = _resolve(output, Path.cwd()) if output else _resolve(wire["output"]["uri"], base)
+    cache = wire.get("training", {}).get("compilationCache", {})
+    if "uri" in cache:
+        cache["uri"] = _resolve(cache["uri"], base)
     try:
         return LoraFinetuneSpec.model_validate(wire)
     except ValidationError as e:

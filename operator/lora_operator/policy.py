@@ -58,13 +58,33 @@ def _uris(uris: list[tuple[str, str | None]], settings: OperatorSettings) -> Pro
             if (problem := local_path_problem(uri, settings)) is not None]
 
 
+def _under(uri: str, root: str) -> bool:
+    """Whether `uri` is `root` or lies below it (both already free of `..`, as the schema and `_uris` see to)."""
+    return uri.rstrip("/") == root.rstrip("/") or uri.startswith(root.rstrip("/") + "/")
+
+
+def compilation_cache_problems(spec: LoraFinetuneSpec, settings: OperatorSettings) -> Problems:
+    """A compilation cache is trusted code: the trainer runs what it finds there. A CR may keep its
+    own under its output (the default) or use one the admin shares (`sharedCompilationCaches`)."""
+    uri = spec.training.compilation_cache.uri
+    if uri is None or _under(uri, spec.output.uri) or any(_under(uri, shared) for shared in settings.shared_compilation_caches):
+        return []
+    shared = ", ".join(settings.shared_compilation_caches) or "none"
+    return [("spec.training.compilationCache.uri",
+             f"{uri!r} is neither under spec.output.uri nor one of the operator's sharedCompilationCaches ({shared}): "
+             "whoever can write a compilation cache chooses what the trainer runs; leave uri empty (the run keeps "
+             "its own under its output) or ask the platform admin to share a cache")]
+
+
 def lora_finetune_problems(spec: LoraFinetuneSpec, settings: OperatorSettings) -> Problems:
     """Everything the admin's settings refuse in a LoraFinetune spec."""
     secret = spec.hf_token_secret_ref.name if spec.hf_token_secret_ref else None
     return [
         *_uris([("spec.model.source", spec.model.source), ("spec.dataset.train", spec.dataset.train),
                 ("spec.dataset.eval", spec.dataset.eval), ("spec.lora.restoreFrom", spec.lora.restore_from),
-                ("spec.output.uri", spec.output.uri)], settings),
+                ("spec.output.uri", spec.output.uri),
+                ("spec.training.compilationCache.uri", spec.training.compilation_cache.uri)], settings),
+        *compilation_cache_problems(spec, settings),
         *image_problems("spec.image", spec.image, settings),
         *_allowlisted("spec.serviceAccountName", spec.service_account_name, settings.allowed_service_accounts,
                       "allowedServiceAccounts"),

@@ -19,7 +19,7 @@ from lora_operator.api import DNS_LABEL, DNS_SUBDOMAIN, Image, ObjectName, Resou
 from lora_operator.images import BadImage, ImageRule, image_allowed
 from lora_operator.overlay import PodTemplateOverlay
 from lora_operator.scheduling import TopologyAwareScheduling
-from lora_trainer.config import ApiModel, validation_problems
+from lora_trainer.config import ApiModel, OutputUri, validation_problems
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/lora-operator/lora-trainer:0.1.0"
 DEFAULT_IMAGE_REPOSITORY = "ghcr.io/lora-operator/lora-trainer"
@@ -71,6 +71,11 @@ class OperatorSettings(ApiModel):
     allowed_token_secrets: list[ObjectName] = Field(default_factory=lambda: ["hf-token"])
     """Secrets (in the CR's own namespace) a CR may name in `spec.hfTokenSecretRef`; any other Secret
     of the namespace stays out of the trainer pods."""
+    shared_compilation_caches: list[OutputUri] = Field(default_factory=list, max_length=64)
+    """Locations a CR may name in `spec.training.compilationCache.uri` besides its own `spec.output.uri`:
+    caches that runs of the same model and shapes share, so even their first start skips compiling.
+    A compilation cache is trusted code (whoever writes to it chooses what the trainer runs), so list
+    only locations that the runs allowed to use them alone can write."""
     allowed_local_paths: list[Annotated[str, Field(pattern=r"^/", min_length=1)]] = Field(default_factory=list)
     """Directories of the trainer pods (e.g. a volume the platform mounts) under which a CR's URIs may
     be local paths; empty: every URI must be `gs://` (or `hf://` for models). Relative paths and `..`

@@ -20,8 +20,9 @@ from pydantic import ValidationError
 
 from lora_operator.api import AdapterConversionSpec, LoraFinetuneSpec
 from lora_operator.images import BadImage, ImageRule, image_allowed, parse_image
-from lora_operator.policy import local_path_problem
+from lora_operator.policy import compilation_cache_problems, local_path_problem
 from lora_operator.settings import OperatorSettings
+from lora_trainer.config import CompilationCacheSpec
 
 GOOD_LFT: dict[str, Any] = {
     "model": {"source": "gs://models-bucket/llama"},
@@ -212,6 +213,22 @@ def test_local_paths_in_the_cluster_only_under_the_admins_directories():
         assert local_path_problem(uri, data) is not None, uri
 
 
+def test_a_compilation_cache_only_under_the_runs_output_or_one_the_admin_shares():
+    """A compilation cache is code the trainer runs: a CR may not point it at storage others write."""
+    spec = LoraFinetuneSpec.model_validate(_merge(GOOD_LFT, {"output": {"uri": "gs://runs/a"}}))
+
+    def problems(uri: str | None, shared: list[str]) -> list[tuple[str, str]]:
+        cache = {"uri": uri} if uri else {}
+        s = spec.model_copy(update={"training": spec.training.model_copy(update={"compilation_cache": CompilationCacheSpec(**cache)})})
+        return compilation_cache_problems(s, OperatorSettings(shared_compilation_caches=shared))
+
+    assert problems(None, []) == [] and problems("gs://runs/a/cache", []) == [] and problems("gs://runs/a", []) == []
+    assert problems("gs://team/jax-cache/llama", ["gs://team/jax-cache"]) == []
+    for uri, shared in (("gs://runs/ab/cache", []), ("gs://team/jax-cache", []), ("gs://team/jax-cachex", ["gs://team/jax-cache"])):
+        [(field, message)] = problems(uri, shared)
+        assert field == "spec.training.compilationCache.uri" and "sharedCompilationCaches" in message, uri
+
+
 # --- refused by the operator: the admin's settings decide ---------------------------------------
 
 PLATFORM = harness_settings(
@@ -234,6 +251,8 @@ OPERATOR_REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("LoraFinetune", {"lora": {"restoreFrom": "file:///var/run/secrets/adapter"}}, "spec.lora.restoreFrom"),
     ("LoraFinetune", {"output": {"uri": "/database/run"}}, "spec.output.uri"),
     ("LoraFinetune", {"output": {"uri": "output/run"}}, "spec.output.uri"),
+    ("LoraFinetune", {"training": {"compilationCache": {"uri": "gs://someone-elses/cache"}}}, "spec.training.compilationCache.uri"),
+    ("LoraFinetune", {"training": {"compilationCache": {"uri": "/tmp/cache"}}}, "spec.training.compilationCache.uri"),
     ("AdapterConversion", {"image": "gcr.io/allowedx:1"}, "spec.image"),
     ("AdapterConversion", {"serviceAccountName": "default-editor"}, "spec.serviceAccountName"),
     ("AdapterConversion", {"source": {"uri": "/tmp/adapter"}}, "spec.source.uri"),

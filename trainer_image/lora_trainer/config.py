@@ -170,7 +170,7 @@ class MeshSpec(ApiModel):
 class CompilationCacheSpec(ApiModel):
     enabled: bool = True
     """Keep compiled programs across restarts, so a run resumed after a preemption does not compile its train step again (minutes for a large model)."""
-    uri: Annotated[str, Field(pattern=OUTPUT_URI_PATTERN, min_length=1)] | None = None
+    uri: OutputUri | None = None
     """Where the programs are kept (local path or `gs://`); default `<output.uri>/compilation-cache`. Share one location between runs of the same model and shapes to skip compiling on their first start too."""
 
 

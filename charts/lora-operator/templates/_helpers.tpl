@@ -55,6 +55,7 @@ values map onto it one to one; keys left empty are omitted so the operator's def
   "allowedPriorityClasses" .Values.trainer.allowedPriorityClasses
   "allowedTokenSecrets" .Values.trainer.allowedTokenSecrets
   "allowedLocalPaths" .Values.trainer.allowedLocalPaths
+  "sharedCompilationCaches" .Values.trainer.sharedCompilationCaches
   "defaultTpuType" .Values.defaultTpuType
   "allowHostNetwork" .Values.allowHostNetwork
   "watchNamespaces" .Values.watchNamespaces
