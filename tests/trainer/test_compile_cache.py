@@ -2,47 +2,42 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+
 import jax
 import pytest
 from trainer_fixtures import parse, train_config
 
 from lora_trainer import compile_cache
+from lora_trainer.errors import Preempted
 from lora_trainer.train import run_training
 
 
-@pytest.fixture
-def cache_events() -> list[str]:
-    """JAX's compilation-cache events (hits and misses of the persistent cache) while the test runs."""
-    seen: list[str] = []
-
-    def listener(event: str, **_: object) -> None:
-        if event.startswith("/jax/compilation_cache/"):
-            seen.append(event)
-
-    jax.monitoring.register_event_listener(listener)
-    yield seen
-    jax.monitoring.unregister_event_listener(listener)
-
-
 @pytest.mark.slow
-def test_a_resumed_run_loads_its_train_step_from_the_cache(tmp_path, cache_events, monkeypatch, capsys) -> None:  # noqa: ANN001
+def test_a_run_restarted_after_a_preemption_loads_its_train_step_from_the_cache(tmp_path, monkeypatch, caplog) -> None:  # noqa: ANN001
     monkeypatch.setattr(compile_cache, "MIN_COMPILE_SECONDS", 0.0)  # the tiny model compiles in well under JAX's 1 s
     out = tmp_path / "out"
-    cfg = train_config(tmp_path, str(out), steps=2, checkpointEvery=2)
+    cfg = parse(train_config(tmp_path, str(out), steps=4, checkpointEvery=4))
     before = jax.config.jax_compilation_cache_dir
-    run_training(parse(cfg))
-    cache = out / "compilation-cache"
-    assert sorted(p.name for p in cache.iterdir() if "train_step" in p.name), "the train step was not cached"
-    assert jax.config.jax_compilation_cache_dir == before  # the process's own setting is back
-    hits_first = cache_events.count("/jax/compilation_cache/cache_hits")
 
-    jax.clear_caches()  # as a new process after a preemption: nothing compiled in memory
-    cfg["training"]["steps"] = 4
-    capsys.readouterr()
-    run_training(parse(cfg))
-    log = capsys.readouterr().err  # the trainer logs to stderr
-    assert "resuming from step 2" in log and f"compiled programs are cached in {cache}" in log
-    assert cache_events.count("/jax/compilation_cache/cache_hits") > hits_first + 1  # the train step among them
+    def preempt(record: dict) -> None:
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(Preempted):
+        run_training(cfg, on_progress=preempt)
+    cache = out / "compilation-cache"
+    assert [p.name for p in cache.iterdir() if p.name.startswith("jit__train_step")], "the train step was not cached"
+    assert jax.config.jax_compilation_cache_dir == before  # the process's own setting is back
+
+    jax.clear_caches()  # as a new process after the preemption: nothing compiled in memory
+    with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
+        result = run_training(cfg)  # the same config, as the JobSet restarts it
+    assert result.final_step == 4
+    hits = [r.getMessage() for r in caplog.records if "Persistent compilation cache hit" in r.getMessage()]
+    assert any("'jit__train_step'" in h for h in hits), hits
 
 
 @pytest.mark.slow
