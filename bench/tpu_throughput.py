@@ -2,7 +2,7 @@
 
 Run by hand on a machine with one TPU chip (never in CI), e.g. through the `device` tool:
 
-    python bench/tpu_throughput.py --out /tmp/tpu-bench [--cases 1b-lora,3b-lora,8b-qlora,...] [--check]
+    python bench/tpu_throughput.py --out /tmp/tpu-bench [--cases 1b-lora,3b-lora,8b-qlora,...] [--check] [--study]
 
 Each case writes a random Llama-shaped HF checkpoint (bfloat16 safetensors, a small BPE
 tokenizer; shapes of Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B) and runs the real
@@ -351,6 +351,59 @@ def check_splash() -> dict[str, Any]:
     return results
 
 
+# --------------------------------------------------------------------------- where the step's time goes
+
+
+#: (attention kernel, remat policy, micro-batch) of the study: one variable at a time.
+STUDY = [("splash", "dots", 4), ("splash", "none", 4), ("xla", "none", 4), ("xla", "none", 1), ("splash", "none", 1),
+         ("splash", "full", 4)]
+
+
+def study(work: Path, shape: str = "1b", layers: int = 4, seq: int = 2048) -> list[dict[str, Any]]:
+    """The production step (`tunix_trainer.make_trainer`) on `shape`'s widths with `layers` layers
+    (short compiles), one micro-batch per step, for each kernel / remat / micro-batch of `STUDY`."""
+    import jax
+    import jax.numpy as jnp
+
+    from lora_trainer import train
+    from lora_trainer.config import LoraSpec, TrainingSpec
+    from lora_trainer.lora import apply_lora
+    from lora_trainer.models import load_model, remat
+    from lora_trainer.tunix_trainer import compiled_memory, make_trainer
+
+    name = f"{shape}-{layers}layers"
+    SHAPES[name] = {**SHAPES[shape], "num_hidden_layers": layers}
+    model_dir = write_checkpoint(name, work / f"model-{name}")
+    rows = []
+    for kernel, policy, micro in STUDY:
+        rng = np.random.default_rng(micro)
+        batch = {"input_tokens": rng.integers(3, 4000, (micro, seq)).astype(np.int32), "input_mask": np.ones((micro, seq), np.int32),
+                 "segment_ids": np.ones((micro, seq), np.int32),
+                 "positions": np.broadcast_to(np.arange(seq), (micro, seq)).astype(np.int32)}
+        loaded = load_model(str(model_dir), dtype="bfloat16")  # again for each: a trained model's arrays are donated
+        model = apply_lora(loaded.model, LoraSpec(rank=16, alpha=32.0), loaded.family, seed=0).model
+        remat.apply(model, policy)
+        trainer = make_trainer(model, TrainingSpec(steps=100, learning_rate=1e-4, schedule="constant"), splash=kernel == "splash")
+
+        def step() -> float:
+            start = time.perf_counter()
+            trainer.train([dict(batch)])
+            float(trainer.train_aux[-1]["loss"])
+            return time.perf_counter() - start
+
+        compile_seconds = step()
+        seconds = statistics.median(step() for _ in range(5))
+        tokens_per_second = micro * seq / seconds
+        flops = train._flops_per_token(trainer.model, loaded.hf_config, seq)
+        rows.append({"attention": kernel, "remat": policy, "micro": micro, "step": seconds, "tokens_per_second": tokens_per_second,
+                     "mfu": tokens_per_second * flops / PEAK, "compile": compile_seconds,
+                     "memory": compiled_memory(trainer, {k: jnp.asarray(v) for k, v in batch.items()})})
+        print(json.dumps(rows[-1]), flush=True)
+        del trainer, model, loaded
+        jax.clear_caches()
+    return rows
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -384,6 +437,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per trainer process")
     p.add_argument("--check", action="store_true", help="first compare the splash kernel with the XLA attention")
     p.add_argument("--write", action="store_true", help="rewrite the TPU section of docs/benchmarks.md")
+    p.add_argument("--study", action="store_true", help="first time the step's variants on a 4-layer 1B (STUDY)")
     p.add_argument("--full-ft-worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.full_ft_worker:
@@ -394,7 +448,10 @@ def main() -> None:
     if args.check:
         results.append({"splash_check": check_splash()})
         print(json.dumps(results[-1]), flush=True)
-    for case in args.cases.split(","):
+    if args.study:
+        results.append({"study": study(args.work)})
+        (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    for case in filter(None, args.cases.split(",")):
         results.append(run_case(case, args.work, args.timeout))
         print(json.dumps(results[-1], default=str)[:3000], flush=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
