@@ -241,7 +241,13 @@ class _Saves:
         self._pending: int | None = None
 
     def start(self, step: int) -> None:
-        """Begin saving `step`. Copies of the arrays are handed to Orbax: the next step donates the model's own."""
+        """Begin saving `step`. Copies of the arrays are handed to Orbax: the next step donates the model's own.
+
+        Metrics and TensorBoard up to `step` are made durable first, not when the commit is seen: the
+        commit lands in the background, and a run that dies after it but before its next look would
+        otherwise resume past metrics lines never written (a resume drops lines beyond its step).
+        """
+        self.sink.flush()
         copy = functools.partial(jax.tree.map, lambda x: x.copy() if isinstance(x, jax.Array) else x)
         previous = self._pending
         # Orbax first waits for the previous save to commit (raising its error), then copies and returns.
@@ -266,12 +272,11 @@ class _Saves:
             self._announce(self._pending)
 
     def _announce(self, step: int) -> None:
-        """Checkpoint `step` has committed: progress.json names it, metrics and TensorBoard are made durable."""
+        """Checkpoint `step` has committed: progress.json names it."""
         if self._pending == step:
             self._pending = None
         self.committed = checkpoint.step_uri(self.root, step)
         self.sink.checkpointed(self.committed)
-        self.sink.flush()
 
 
 class _Run:
