@@ -54,8 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                             metrics_port=args.metrics_port)
     if args.command == "docs":
         from lora_operator.refdocs import check_or_write as write_docs
+        from lora_trainer.cli import _parser as trainer_parser
 
-        return write_docs(Path(args.out), check=args.check)
+        clis = {"operator-cli.md": _parser(), "trainer-cli.md": trainer_parser()}
+        return write_docs(Path(args.out), clis, check=args.check)
     if args.command == "run-local":
         from lora_operator.local import run_local
 
