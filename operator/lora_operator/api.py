@@ -32,7 +32,8 @@ GROUP = "lora-operator.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-TpuType = Literal["v4", "v5e", "v5p", "v6e", "tpu7x"]
+#: TPU generations a CR may name: the keys of `tpu.CATALOG` (one list; the CRD enum derives from it).
+TpuType = Literal[tuple(CATALOG)]  # type: ignore[valid-type]
 Phase = Literal["Pending", "Running", "Suspended", "Exporting", "Succeeded", "Failed"]
 
 #: Resource names a CR may request or limit; TPU chips come from `tpu`, never from `resources`.

@@ -16,7 +16,7 @@ TPU_RESOURCE = "google.com/tpu"
 
 
 @dataclass(frozen=True, slots=True)
-class TpuType:
+class TpuGeneration:
     """One TPU generation as GKE exposes it."""
 
     name: str
@@ -24,22 +24,22 @@ class TpuType:
     topologies: tuple[str, ...]
 
 
-CATALOG: dict[str, TpuType] = {
+CATALOG: dict[str, TpuGeneration] = {
     t.name: t
     for t in (
-        TpuType(
+        TpuGeneration(
             "v4",
             "tpu-v4-podslice",
             ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x12", "8x8x16", "8x16x16", "16x16x16"),
         ),
-        TpuType("v5e", "tpu-v5-lite-podslice", ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
-        TpuType(
+        TpuGeneration("v5e", "tpu-v5-lite-podslice", ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
+        TpuGeneration(
             "v5p",
             "tpu-v5p-slice",
             ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16", "16x16x16", "16x16x24"),
         ),
-        TpuType("v6e", "tpu-v6e-slice", ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
-        TpuType(
+        TpuGeneration("v6e", "tpu-v6e-slice", ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")),
+        TpuGeneration(
             "tpu7x",
             "tpu7x",
             ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16"),
