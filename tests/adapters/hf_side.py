@@ -7,8 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-#: Every model family the adapters support.
-FAMILIES = ("llama3", "qwen3", "qwen2", "gemma3")
+from lora_trainer.models import registry
+
+#: Every model family the adapters support: every declared family.
+FAMILIES = registry.FAMILIES
 #: The HF module names of every projection the families' LoRA can target.
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: One token sequence long enough to cross Gemma 3's sliding window (4 in the tiny models).

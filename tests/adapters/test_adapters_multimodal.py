@@ -150,7 +150,7 @@ def test_peft_adapter_of_the_multimodal_model_imports(base, tmp_path):
 
 
 def test_released_sparse_config_reads_as_transformers_reads_it():
-    from lora_trainer.models.families import gemma3_model
+    from lora_trainer.models.families.gemma3 import model as gemma3_model
 
     spec, text = get_family("gemma3").for_checkpoint(GEMMA3_4B_CONFIG)
     assert spec.multimodal and spec.hf_module_name("layers/33/mlp/up_proj") == "model.language_model.layers.33.mlp.up_proj"

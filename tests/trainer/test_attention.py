@@ -142,13 +142,14 @@ def test_compiled_bfloat16_step_feeds_bfloat16_to_every_dot() -> None:
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen2", "gemma3"])
 def test_every_family_runs_its_attention_through_it(family: str, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    import importlib
+
     from lora_trainer.models import load_model
-    from lora_trainer.models.families import gemma3_model, llama3_model, qwen2_model, qwen3_model
     from lora_trainer.models.forward import positions_and_mask
     from lora_trainer.tiny_models import make_tiny_hf_model
 
-    modules = {"llama3": llama3_model, "qwen3": qwen3_model, "qwen2": qwen2_model, "gemma3": gemma3_model}
-    expected = modules[family].Attention
+    model_code = importlib.import_module(f"lora_trainer.models.families.{family}.model")
+    expected = model_code.Attention
     model = load_model(str(make_tiny_hf_model(family, tmp_path / family, seed=0)), dtype="float32").model
     assert all(type(layer.attn) is expected for layer in model.layers)
     # And the forward pass (no KV cache, as in training) reaches it once per layer: the class alone
@@ -159,7 +160,7 @@ def test_every_family_runs_its_attention_through_it(family: str, tmp_path, monke
         calls.append(args[0].shape)
         return causal_gqa_attention(*args, **kwargs)
 
-    monkeypatch.setattr(modules[family], "causal_gqa_attention", counting)
+    monkeypatch.setattr(model_code, "causal_gqa_attention", counting)
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 200, (2, 12)), jnp.int32)
     positions, mask = positions_and_mask(tokens, None)
     model(tokens, positions, None, mask)  # eager: a cached jit trace would not call the Python function

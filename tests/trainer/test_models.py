@@ -108,17 +108,17 @@ def _plain_tunix_model(name: str, directory: Path):
     if family.name == "llama3":
         from tunix.models.llama3 import model as m
 
-        from lora_trainer.models.families.llama3_model import tunix_config
+        from lora_trainer.models.families.llama3.model import tunix_config
 
         plain = lambda cfg, dtype, rngs: m.Llama3(tunix_config(cfg), rngs=rngs)  # noqa: E731
     elif family.name == "qwen3":
         from tunix.models.qwen3 import model as m
 
-        from lora_trainer.models.families.qwen3_model import tunix_config
+        from lora_trainer.models.families.qwen3.model import tunix_config
 
         plain = lambda cfg, dtype, rngs: m.Qwen3(tunix_config(cfg), rngs=rngs)  # noqa: E731
     else:
-        from lora_trainer.models.families import gemma3_model as gemma3
+        from lora_trainer.models.families.gemma3 import model as gemma3
 
         def plain(cfg, dtype, rngs):  # Tunix's own cycled 5:1 pattern, K/V split kept for the weight table
             model = gemma3.build(cfg, dtype, rngs)
@@ -219,7 +219,7 @@ def test_legacy_rope_fields_are_read() -> None:
 
 
 def test_gemma3_layer_pattern_from_config(tiny_dirs: dict[str, Path]) -> None:
-    from lora_trainer.models.families import gemma3_model as gemma3
+    from lora_trainer.models.families.gemma3 import model as gemma3
 
     model = load_model(str(tiny_dirs["gemma3"])).model
     attns = [layer.attn for layer in model.layers]

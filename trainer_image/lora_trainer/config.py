@@ -52,7 +52,16 @@ InputUri = Annotated[str, Field(pattern=URI_PATTERN, min_length=1, max_length=MA
 OutputUri = Annotated[str, Field(pattern=OUTPUT_URI_PATTERN, min_length=1, max_length=MAX_URI)]
 FieldName = Annotated[str, Field(min_length=1, max_length=MAX_FIELD_NAME)]
 
-Family = Literal["llama3", "qwen3", "qwen2", "gemma3"]
+
+
+def family_names() -> tuple[str, ...]:
+    """The model families: one folder each under `lora_trainer/models/families/` (see
+    docs/dev/adding-a-family.md), read off the disk so that this module imports no model code."""
+    root = Path(__file__).parent / "models" / "families"
+    return tuple(sorted(d.name for d in root.iterdir() if (d / "__init__.py").is_file() and not d.name.startswith("_")))
+
+
+Family = Literal[family_names()]  # type: ignore[valid-type]
 DType = Literal["float32", "bfloat16", "float16"]
 WeightQtype = Literal["nf4", "int4", "int8", "fp8"]
 Schedule = Literal["cosine", "linear", "constant"]

@@ -52,67 +52,11 @@ _COMMON: dict[str, Any] = {
     "initializer_range": 0.2,
 }
 
-#: Per-family config.json fields on top of _COMMON, as in the real checkpoints.
-FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
-    # Llama 3.1 8B: untied, theta 500000, rope_scaling type llama3 (factor 8, 1/4, 8192).
-    # original_max_position_embeddings is scaled down with the model so that the scaling
-    # changes frequencies the short test sequences can see.
-    "llama3": {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "hidden_act": "silu",
-    },
-    # Qwen3 0.6B-4B: tied embeddings, qk-norm, theta 1e6, eps 1e-6.
-    "qwen3": {
-        "model_type": "qwen3",
-        "architectures": ["Qwen3ForCausalLM"],
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "hidden_act": "silu",
-    },
-    # Qwen2.5 0.5B-3B: tied embeddings, q/k/v bias, theta 1e6, no sliding window.
-    "qwen2": {
-        "model_type": "qwen2",
-        "architectures": ["Qwen2ForCausalLM"],
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
-        "use_sliding_window": False,
-        "hidden_act": "silu",
-    },
-    # Gemma 3 (text): local layers with rope base 10000 and a sliding window, global layers
-    # with theta 1e6 and linear scaling 8 (4B+), query_pre_attn_scalar = head_dim, +1 norms,
-    # sqrt(hidden) embedding scale, tied embeddings. The window is shrunk with the model.
-    "gemma3": {
-        "model_type": "gemma3_text",
-        "architectures": ["Gemma3ForCausalLM"],
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "rope_local_base_freq": 10000.0,
-        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-        "query_pre_attn_scalar": 16,
-        "sliding_window": 4,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "tie_word_embeddings": True,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-    },
-}
+def _family_configs() -> dict[str, dict[str, Any]]:
+    """Per-family config.json fields on top of _COMMON: each family's `tiny_config` (its declaration)."""
+    from lora_trainer.models.registry import FAMILIES, get_family
+
+    return {name: dict(get_family(name).tiny_config) for name in FAMILIES}
 
 
 #: Multimodal kinds: kind -> (the decoder's family, the config.json fields around its `text_config`).
@@ -155,9 +99,10 @@ def tiny_config_dict(family: str, **overrides: Any) -> dict[str, Any]:
         text = tiny_config_dict(decoder, **overrides)
         del text["architectures"]
         return {**outer, "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
-    if family not in FAMILY_CONFIGS:
-        raise ValueError(f"no tiny model for family {family!r}; known: {sorted(FAMILY_CONFIGS) + sorted(MULTIMODAL)}")
-    cfg = {**_COMMON, **FAMILY_CONFIGS[family], **overrides}
+    configs = _family_configs()
+    if family not in configs:
+        raise ValueError(f"no tiny model for family {family!r}; known: {sorted(configs) + sorted(MULTIMODAL)}")
+    cfg = {**_COMMON, **configs[family], **overrides}
     if "num_hidden_layers" in overrides and "layer_types" in cfg and "layer_types" not in overrides:
         pattern = ("sliding_attention", "full_attention")
         cfg["layer_types"] = [pattern[i % 2] for i in range(cfg["num_hidden_layers"])]

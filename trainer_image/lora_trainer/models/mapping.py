@@ -137,3 +137,22 @@ def expand_rules(rules: tuple[WeightRule, ...], hf_config: HFConfig, num_layers:
         layers: list[int | None] = list(range(num_layers)) if rule.per_layer else [None]
         for i in layers:
             yield expand(rule.hf, i), expand(rule.nnx, i), rule
+
+
+def head_dim(hf_config: Mapping[str, Any]) -> int:
+    """config.json `head_dim`, or hidden_size / num_attention_heads when absent (older configs)."""
+    value = hf_config.get("head_dim")
+    return int(value) if value else int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"])
+
+
+def axis_sizes(hf_config: Mapping[str, Any]) -> dict[str, int]:
+    """Sizes of the weight tables' axis letters (d embed, n query heads, k kv heads, h head_dim, f MLP, v vocab)."""
+    heads = int(hf_config["num_attention_heads"])
+    return {
+        "d": int(hf_config["hidden_size"]),
+        "n": heads,
+        "k": int(hf_config.get("num_key_value_heads") or heads),
+        "h": head_dim(hf_config),
+        "f": int(hf_config["intermediate_size"]),
+        "v": int(hf_config["vocab_size"]),
+    }

@@ -1,7 +1,9 @@
 """The one family registry: config.json -> family name -> FamilySpec.
 
-Detection needs no JAX: the `model_type`/`architectures` table is here; `get_family`
-imports the family module (and Tunix) only when the spec is needed.
+Each family is one folder, `lora_trainer/models/families/<name>/`, whose `__init__.py` declares
+`FAMILY` (a FamilySpec: detection keys, the `auto` targets, the HF <-> NNX table, the tiny test
+config) and whose `model.py` builds the Tunix model, imported at the first build. The registry
+is the folders found there: detection, the declarations and `config.Family` need no JAX.
 """
 
 from __future__ import annotations
@@ -9,40 +11,36 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Mapping
-from importlib import resources
 from typing import Any
 
-import yaml
-
+from lora_trainer.config import family_names
 from lora_trainer.errors import UserError
 from lora_trainer.models.spec import FamilySpec
 
-#: family -> (config.json model_type values, architectures). Gemma 3's multimodal `gemma3`
-#: checkpoints train their text decoder (`FamilySpec.for_checkpoint`).
-_DETECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "llama3": (("llama",), ("LlamaForCausalLM",)),
-    "qwen3": (("qwen3",), ("Qwen3ForCausalLM",)),
-    "qwen2": (("qwen2",), ("Qwen2ForCausalLM",)),
-    "gemma3": (("gemma3_text", "gemma3"), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
-}
+#: Every family's name: the folders of `lora_trainer.models.families` (`config.Family`'s values).
+FAMILIES: tuple[str, ...] = family_names()
 
-FAMILIES: tuple[str, ...] = tuple(_DETECT)
+
+@functools.cache
+def _declarations() -> dict[str, FamilySpec]:
+    return {name: importlib.import_module(f"lora_trainer.models.families.{name}").FAMILY for name in FAMILIES}
 
 
 def detect_family(hf_config: Mapping[str, Any]) -> str:
     """The family of an HF config.json, from `model_type` (or `architectures`)."""
     model_type = hf_config.get("model_type")
     architectures = tuple(hf_config.get("architectures") or ())
-    for family, (types, archs) in _DETECT.items():
-        if model_type in types:
+    declared = _declarations()
+    for family, spec in declared.items():
+        if model_type in spec.model_types:
             return family
-    for family, (types, archs) in _DETECT.items():
-        if set(architectures) & set(archs):
+    for family, spec in declared.items():
+        if set(architectures) & set(spec.architectures):
             return family
     raise UserError(
         f"config.json has model_type {model_type!r} (architectures {list(architectures)}), which is not a "
         f"supported family; supported: {', '.join(FAMILIES)} (model_type "
-        f"{', '.join(t for types, _ in _DETECT.values() for t in types)}); if the model is one of those under a "
+        f"{', '.join(t for spec in declared.values() for t in spec.model_types)}); if the model is one of those under a "
         "model_type of its own, set model.family"
     )
 
@@ -65,12 +63,6 @@ def family_name(hf_config: Mapping[str, Any], family: str | None, *, where: str,
     return family
 
 
-@functools.cache
-def _target_table() -> dict[str, dict[str, str]]:
-    text = resources.files("lora_trainer.models").joinpath("target_modules.yaml").read_text()
-    return yaml.safe_load(text)
-
-
 def family_of_checkpoint(metadata: Mapping[str, Any]) -> FamilySpec:
     """The FamilySpec a LoRA checkpoint's metadata names: its `family`, as the decoder of a multimodal
     model when `multimodal` is true (absent in checkpoints of text-only models)."""
@@ -81,14 +73,6 @@ def family_of_checkpoint(metadata: Mapping[str, Any]) -> FamilySpec:
 @functools.cache
 def get_family(name: str) -> FamilySpec:
     """The FamilySpec of `name` (one of FAMILIES)."""
-    if name not in _DETECT:
+    if name not in FAMILIES:
         raise UserError(f"unknown model family {name!r}; supported: {', '.join(FAMILIES)}")
-    module = importlib.import_module(f"lora_trainer.models.families.{name}")
-    model_types, architectures = _DETECT[name]
-    return FamilySpec(
-        name=name,
-        model_types=model_types,
-        architectures=architectures,
-        auto_target_regex=_target_table()[name]["auto"],
-        **module.SPEC_ARGS,
-    )
+    return _declarations()[name]

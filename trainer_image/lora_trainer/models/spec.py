@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax.numpy as jnp
-from flax import nnx
+from lora_trainer.models.mapping import LoraTarget, WeightRule, axis_sizes, expand
 
-from lora_trainer.models.families.common import axis_sizes
-from lora_trainer.models.mapping import LoraTarget, WeightRule, expand
+if TYPE_CHECKING:  # the declarations are read without JAX (detection, config.Family)
+    import jax.numpy as jnp
+    from flax import nnx
 
 HFConfig = Mapping[str, Any]
 #: How the families' tables write the HF names of the decoder: `model.layers.{i}...`, `model.norm.weight`.
@@ -69,13 +69,17 @@ class FamilySpec:
     lora_targets: tuple[LoraTarget, ...]
     """LoRA-targetable projections."""
     auto_target_regex: str
-    """The `auto` targetModules regex (from target_modules.yaml): all attention and MLP projections."""
+    """The `auto` targetModules regex: all attention and MLP projections (full-matched against NNX module
+    paths such as `layers/0/attn/q_proj`)."""
     nested_text: NestedText | None = None
     """Multimodal checkpoints whose text decoder this family trains (None: text-only checkpoints only)."""
     multimodal: bool = False
     """True for `multimodal_view()`: the HF names are those of the decoder inside a multimodal model."""
     decoder_tensors: str = _DECODER
     """The prefix of the decoder's stored tensor names; a multimodal checkpoint's others are its vision side."""
+    tiny_config: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    """config.json fields of the family's tiny test model on top of `tiny_models`' shared ones (`model_type`
+    and `architectures` included), as in the real checkpoints."""
 
     def for_checkpoint(self, hf_config: HFConfig, tensor_keys: Iterable[str] = ()) -> tuple[FamilySpec, dict[str, Any]]:
         """(the spec with this checkpoint's HF names, the decoder's config): what loading and conversion use.

@@ -1,6 +1,6 @@
-"""Gemma 3: the HF <-> NNX weight and LoRA tables (the model itself: gemma3_model.py).
+"""Gemma 3: the HF <-> NNX weight and LoRA tables (the model itself: model.py).
 
-K and V map to `attn/kv_einsum/k_proj` and `attn/kv_einsum/v_proj`: gemma3_model.py splits
+K and V map to `attn/kv_einsum/k_proj` and `attn/kv_einsum/v_proj`: model.py splits
 Tunix's fused `kv_einsum` so each maps to PEFT one to one.
 
 Text-only checkpoints (1B, 270M: `Gemma3ForCausalLM`) are the tables as written; the
@@ -10,9 +10,9 @@ the names `NESTED_TEXT` gives (see `FamilySpec.multimodal_view`).
 
 from __future__ import annotations
 
-from lora_trainer.models.families.common import lazy_build
+from lora_trainer.models.families.tables import lazy_build
 from lora_trainer.models.mapping import LoraTarget, WeightRule
-from lora_trainer.models.spec import NestedText
+from lora_trainer.models.spec import FamilySpec, NestedText
 
 _L = "model.layers.{i}"
 Q = WeightRule(f"{_L}.self_attn.q_proj.weight", "layers/{i}/attn/q_einsum/w", "(n h) d", "n d h")
@@ -91,9 +91,34 @@ NESTED_TEXT = NestedText(
     tensor_prefixes=("language_model.model.", "model.language_model."),
 )
 
-SPEC_ARGS = dict(
-    build=lazy_build("lora_trainer.models.families.gemma3_model"),
+#: The tiny test model's config.json fields (on top of `tiny_models`' shared ones), as in the real checkpoints:
+#: Gemma 3 (text): local layers with rope base 10000 and a sliding window, global layers
+#: with theta 1e6 and linear scaling 8 (4B+), query_pre_attn_scalar = head_dim, +1 norms,
+#: sqrt(hidden) embedding scale, tied embeddings. The window is shrunk with the model.
+TINY_CONFIG = {
+    "model_type": "gemma3_text",
+    "architectures": ["Gemma3ForCausalLM"],
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+}
+
+FAMILY = FamilySpec(
+    name=__name__.rpartition(".")[2],
+    model_types=("gemma3_text", "gemma3"),
+    architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+    auto_target_regex=r"layers/\d+/(attn/(q_einsum|kv_einsum/k_proj|kv_einsum/v_proj|attn_vec_einsum)|mlp/(gate_proj|up_proj|down_proj))",
+    build=lazy_build(f"{__name__}.model"),
     weights=WEIGHTS,
     lora_targets=LORA_TARGETS,
     nested_text=NESTED_TEXT,
+    tiny_config=TINY_CONFIG,
 )
