@@ -48,7 +48,7 @@ class LoraApplied:
 
 
 def resolve_target_regex(target_modules: str, family: FamilySpec) -> str:
-    """`auto` -> the family's regex from target_modules.yaml; anything else is used as given."""
+    """`auto` -> the family's `auto_target_regex` (its declaration); anything else is used as given."""
     return family.auto_target_regex if target_modules == "auto" else target_modules
 
 
@@ -106,6 +106,26 @@ def apply_lora(
     (A: he-uniform from `seed`, B: zeros, so the model's output is unchanged).
     """
     regex = resolve_target_regex(lora_spec.target_modules, family)
+    available, matched = _matched_modules(model, family, regex)
+    provider = _provider(lora_spec, family, regex, matched)
+    tokens = jnp.ones(batch_shape, dtype=jnp.int32)
+    positions, mask = positions_and_mask(tokens, None)
+    lora_model = qwix.apply_lora_to_model(
+        model, provider, tokens, positions, None, mask, rngs=nnx.Rngs(params=seed, dropout=seed)
+    )
+    if lora_spec.dropout > 0:
+        # Qwix draws dropout keys from `module.qwix_rngs`, which it clears after the dummy forward;
+        # without this every later call fails. Evaluation traces without dropout (`no_lora_dropout`).
+        lora_model.set_attributes(qwix_rngs=nnx.Rngs(dropout=seed + 1))
+    created = _created_modules(lora_model, provider, regex, available, matched)
+    # Said once, so that a regex written for another family's names (q_proj on Gemma 3, whose
+    # query projection is q_einsum) shows what it left out.
+    log.info("LoRA on %d modules (lora.targetModules %r): %s", len(created), regex, _summarise(created))
+    return LoraApplied(model=lora_model, target_regex=regex, module_paths=created)
+
+
+def _matched_modules(model: nnx.Module, family: FamilySpec, regex: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(every LoRA-targetable module of `model`, those `regex` full-matches); UserError if none or not a regex."""
     try:
         compiled = re.compile(regex)
     except re.error as e:
@@ -117,13 +137,18 @@ def apply_lora(
             f"lora.targetModules '{regex}' matches no LoRA-targetable module of this {family.name} model "
             f"(full match against module paths); the model's paths are: {_summarise(list(available))}"
         )
+    return available, matched
+
+
+def _provider(lora_spec: LoraSpec, family: FamilySpec, regex: str, matched: dict[str, Any]) -> LoraProvider:
+    """Qwix's LoRA provider for `regex`: float32 A (he-uniform) and B (zeros), QLoRA's quantization if asked."""
     quant = lora_spec.quantization
     qwix_args: dict[str, Any] = {}
     if quant is not None:
         if quant.tile_size is not None:
             _check_tile_size(quant.tile_size, matched, family)
         qwix_args = {"weight_qtype": QTYPES[quant.weight_qtype], "tile_size": quant.tile_size}
-    provider = LoraProvider(
+    return LoraProvider(
         module_path=regex,
         rank=lora_spec.rank,
         alpha=lora_spec.alpha,
@@ -132,15 +157,13 @@ def apply_lora(
         lora_b_initializer=_float32_init(nnx.initializers.zeros),
         **qwix_args,
     )
-    tokens = jnp.ones(batch_shape, dtype=jnp.int32)
-    positions, mask = positions_and_mask(tokens, None)
-    lora_model = qwix.apply_lora_to_model(
-        model, provider, tokens, positions, None, mask, rngs=nnx.Rngs(params=seed, dropout=seed)
-    )
-    if lora_spec.dropout > 0:
-        # Qwix draws dropout keys from `module.qwix_rngs`, which it clears after the dummy forward;
-        # without this every later call fails. Evaluation traces without dropout (`no_lora_dropout`).
-        lora_model.set_attributes(qwix_rngs=nnx.Rngs(dropout=seed + 1))
+
+
+def _created_modules(
+    lora_model: nnx.Module, provider: LoraProvider, regex: str, available: dict[str, Any], matched: dict[str, Any]
+) -> list[str]:
+    """The module paths Qwix put LoRA on, checked: the rule was used, some were created, all are
+    projections PEFT can name, and every matched module got its pair."""
     unused = provider.get_unused_rules()
     if unused:
         raise UserError(
@@ -162,10 +185,7 @@ def apply_lora(
     missed = sorted(set(matched) - set(created))
     if missed:
         raise AssertionError(f"Qwix created no LoRA params on matched modules {missed}: the model's call path changed")
-    # Said once, so that a regex written for another family's names (q_proj on Gemma 3, whose
-    # query projection is q_einsum) shows what it left out.
-    log.info("LoRA on %d modules (lora.targetModules %r): %s", len(created), regex, _summarise(created))
-    return LoraApplied(model=lora_model, target_regex=regex, module_paths=created)
+    return created
 
 
 def _lora_vars(model: nnx.Module) -> dict[str, dict[str, nnx.Variable]]:

@@ -114,13 +114,7 @@ def classify(
     if type(exc).__name__ == "RefreshError" and type(exc).__module__.startswith("google.auth"):
         return _credentials_refused(exc, uri)
     if status in (401, 403) or isinstance(exc, PermissionError) or any(m in text for m in _DENIED_TEXT):
-        fix = (
-            "give the pod's service account (Workload Identity) read and write access to the bucket "
-            "(roles/storage.objectUser), or fix the URI"
-            if uri.startswith("gs://")
-            else "make it readable (and its directory writable, for an output), or choose another path"
-        )
-        return UserError(f"access to {subject} was denied ({detail}): {fix}", uri=uri)
+        return _denied(uri, subject, detail)
     if status == 404 or (uri.startswith("gs://") and isinstance(exc, FileNotFoundError)) or "NOT_FOUND" in text:
         return _missing(exc, uri, subject, writing, bucket_missing)
     if status is not None and status < 500:
@@ -128,14 +122,30 @@ def classify(
     if any(m in text for m in _REFUSED_TEXT):
         return UserError(f"storage refused a request for {subject} ({detail}): check the URI", uri=uri)
     if isinstance(exc, OSError) and exc.errno in _LOCAL_FULL:
-        return UserError(
-            f"cannot write {subject}: {_LOCAL_FULL[exc.errno]} ({exc.filename or exc}): free space, give the pod more "
-            "ephemeral storage, or point the output at gs://",
-            uri=uri,
-        )
+        return _disk_full(exc, uri, subject)
     if any(m in text for m in _TRANSIENT_TEXT):
         return RetriableError(f"storage fault while accessing {subject}: {detail}", uri=uri)
     return None
+
+
+def _denied(uri: str, subject: str, detail: str) -> UserError:
+    """401/403 or a local permission error, with what to fix."""
+    fix = (
+        "give the pod's service account (Workload Identity) read and write access to the bucket "
+        "(roles/storage.objectUser), or fix the URI"
+        if uri.startswith("gs://")
+        else "make it readable (and its directory writable, for an output), or choose another path"
+    )
+    return UserError(f"access to {subject} was denied ({detail}): {fix}", uri=uri)
+
+
+def _disk_full(exc: OSError, uri: str, subject: str) -> UserError:
+    """A full or read-only local disk (`_LOCAL_FULL`)."""
+    return UserError(
+        f"cannot write {subject}: {_LOCAL_FULL[exc.errno]} ({exc.filename or exc}): free space, give the pod more "
+        "ephemeral storage, or point the output at gs://",
+        uri=uri,
+    )
 
 
 def _missing(exc: BaseException, uri: str, subject: str, writing: bool, bucket_missing: Callable[[], bool]) -> TrainerError:

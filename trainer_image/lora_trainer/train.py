@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -444,7 +444,7 @@ class _Run:
         t = self.cfg.training
         lr = schedule.learning_rate_schedule(t)
         flops_per_token = _flops_per_token(trainer.model, hf_config, batches.seq_len)
-        kinds = [d.device_kind for d in jax.devices()]
+        mfu = functools.partial(mfu_metrics.mfu, flops_per_token=flops_per_token, device_kinds=[d.device_kind for d in jax.devices()])
         saves = _Saves(self.root, store, sink, trainer, batches.stream, self.metadata, step)
         loss = eval_loss = None
         # The first step in a process compiles the train step (seconds to minutes): it stays out of
@@ -467,37 +467,64 @@ class _Run:
             step += 1
             saves.poll()
             if step % t.log_every == 0 or step == t.steps:
-                loss, _, tokens = tunix_trainer.weighted_loss(trainer.train_aux)
-                trainer.train_aux.clear()
-                elapsed = timer.lap()
-                tps = (tokens - untimed_tokens) / elapsed if timed_steps else None
-                record = progress_record(
-                    step=step,
-                    total_steps=t.steps,
-                    loss=loss,
-                    learning_rate=float(lr(step - 1)),
-                    tokens_per_second=tps,
-                    step_time_seconds=elapsed / timed_steps if timed_steps else None,
-                    mfu=None if tps is None else mfu_metrics.mfu(tps, flops_per_token, kinds),
-                    last_checkpoint=saves.committed,
-                    pending_seconds=eval_seconds * evals_due(step, t),
-                )
-                sink.emit(record)
+                loss = self._emit_interval(trainer, sink, step, timer, timed_steps, untimed_tokens, lr=lr, mfu=mfu,
+                                           last_checkpoint=saves.committed, eval_seconds=eval_seconds)
                 timed_steps, untimed_tokens = 0, 0
             with timer.paused():
                 # After a SIGTERM the checkpoint comes first: an eval pass could outlast the grace period.
                 due = evals_due(step - 1, t) > evals_due(step, t)  # a pass runs at this step
                 if batches.eval_batches and due and not self.stop.requested():
-                    first, start = not eval_seconds, time.perf_counter()
-                    eval_loss = self._evaluate(trainer, (tunix_trainer.on_mesh(b, self.mesh) for b in batches.eval_batches))
-                    eval_seconds = time.perf_counter() - start
-                    sink.scalar("eval/loss", eval_loss, step)
-                    log.info("step %d: eval loss %.4f (%d batches in %.1fs%s)", step, eval_loss, len(batches.eval_batches),
-                             eval_seconds, ", the first compiling the eval step" if first else "")
+                    eval_loss, eval_seconds = self._eval_pass(trainer, batches, sink, step, first=not eval_seconds)
                 if step % t.checkpoint_every == 0 and step < t.steps:
                     saves.start(step)
         saves.finish(step)
         return self._result(step, final_loss=loss, eval_loss=eval_loss)
+
+    def _emit_interval(
+        self,
+        trainer: tunix_trainer.LoraPeftTrainer,
+        sink: ProgressSink,
+        step: int,
+        timer: IntervalTimer,
+        timed_steps: int,
+        untimed_tokens: int,
+        *,
+        lr: Callable[[int], Any],
+        mfu: Callable[[float], float | None],
+        last_checkpoint: str | None,
+        eval_seconds: float,
+    ) -> float:
+        """Emit the progress record of the interval ending at `step` (throughput over its timed steps); its loss."""
+        t = self.cfg.training
+        loss, _, tokens = tunix_trainer.weighted_loss(trainer.train_aux)
+        trainer.train_aux.clear()
+        elapsed = timer.lap()
+        tps = (tokens - untimed_tokens) / elapsed if timed_steps else None
+        record = progress_record(
+            step=step,
+            total_steps=t.steps,
+            loss=loss,
+            learning_rate=float(lr(step - 1)),
+            tokens_per_second=tps,
+            step_time_seconds=elapsed / timed_steps if timed_steps else None,
+            mfu=None if tps is None else mfu(tps),
+            last_checkpoint=last_checkpoint,
+            pending_seconds=eval_seconds * evals_due(step, t),
+        )
+        sink.emit(record)
+        return loss
+
+    def _eval_pass(
+        self, trainer: tunix_trainer.LoraPeftTrainer, batches: _Data, sink: ProgressSink, step: int, *, first: bool
+    ) -> tuple[float, float]:
+        """One pass over the eval batches at `step`: (its loss, its seconds)."""
+        start = time.perf_counter()
+        eval_loss = self._evaluate(trainer, (tunix_trainer.on_mesh(b, self.mesh) for b in batches.eval_batches))
+        eval_seconds = time.perf_counter() - start
+        sink.scalar("eval/loss", eval_loss, step)
+        log.info("step %d: eval loss %.4f (%d batches in %.1fs%s)", step, eval_loss, len(batches.eval_batches),
+                 eval_seconds, ", the first compiling the eval step" if first else "")
+        return eval_loss, eval_seconds
 
     def _first_step(self, trainer: tunix_trainer.LoraPeftTrainer, micro_batches: list[dict[str, jax.Array]], step: int) -> int:
         """Run the step that compiles the train step; log its time and the compiled program's memory.

@@ -108,6 +108,23 @@ def parse_config(raw: Mapping[str, Any], path: Path | str) -> LoraHyper:
 
     `path` is only used to name the file in errors.
     """
+    _refuse_unsupported(raw, path)
+    r, alpha, dropout = _hyperparameters(raw, path)
+    targets = raw.get("target_modules") or ()
+    if isinstance(targets, str):  # PEFT allows one regex; the tensors say which modules it matched.
+        targets = ()
+    base = raw.get("base_model_name_or_path")
+    return LoraHyper(
+        rank=r,
+        alpha=alpha,
+        dropout=float(dropout),
+        target_modules=tuple(sorted(str(t) for t in targets)),
+        base_model=str(base) if base else None,
+    )
+
+
+def _refuse_unsupported(raw: Mapping[str, Any], path: Path | str) -> None:
+    """UserError for a key of the wrong type or a feature a plain LoRA cannot express (DoRA, biases, ...)."""
     for key, (test, what) in _TYPES.items():
         if raw.get(key) is not None and not test(raw[key]):
             raise _config_error(path, f"{key} is {shown(raw[key])}, expected {what}")
@@ -154,6 +171,9 @@ def parse_config(raw: Mapping[str, Any], path: Path | str) -> LoraHyper:
     if raw.get("fan_in_fan_out"):
         raise _config_error(path, "fan_in_fan_out is true (Conv1D-style GPT-2 weights); these model families use Linear layers.")
 
+
+def _hyperparameters(raw: Mapping[str, Any], path: Path | str) -> tuple[int, float, float]:
+    """(r, alpha, dropout), checked; rsLoRA's alpha rescaled to the same scale under alpha / r."""
     r = raw.get("r")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise _config_error(path, f"r must be a positive integer, got {shown(r)}")
@@ -167,17 +187,7 @@ def parse_config(raw: Mapping[str, Any], path: Path | str) -> LoraHyper:
     dropout = raw.get("lora_dropout", 0.0) or 0.0
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
         raise _config_error(path, f"lora_dropout must be a number in [0, 1), got {shown(dropout)}")
-    targets = raw.get("target_modules") or ()
-    if isinstance(targets, str):  # PEFT allows one regex; the tensors say which modules it matched.
-        targets = ()
-    base = raw.get("base_model_name_or_path")
-    return LoraHyper(
-        rank=r,
-        alpha=alpha,
-        dropout=float(dropout),
-        target_modules=tuple(sorted(str(t) for t in targets)),
-        base_model=str(base) if base else None,
-    )
+    return r, alpha, dropout
 
 
 #: `init_lora_weights` values with which PEFT rewrites the base weights on load (not only A and B).

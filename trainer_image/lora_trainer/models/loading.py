@@ -24,7 +24,7 @@ from flax import nnx
 
 from lora_trainer import storage
 from lora_trainer.errors import UserError
-from lora_trainer.models.mapping import expand_rules
+from lora_trainer.models.mapping import WeightRule, expand_rules
 from lora_trainer.models.registry import family_name, get_family
 from lora_trainer.models.safetensors_io import SafetensorsCheckpoint
 from lora_trainer.models.spec import FamilySpec
@@ -138,33 +138,53 @@ def fill_params(
     for hf_key, nnx_path, rule in expand_rules(family.weights, hf_config, family.num_layers(hf_config)):
         if nnx_path not in variables:
             raise AssertionError(f"{family.name} weight table names {nnx_path}, which the model does not have")
-        var = variables[nnx_path]
-        shape = tuple(var.get_value().shape)
-        expected = rule.hf_shape(shape)
-        got = tensors.shape(hf_key)
-        if got != expected:
-            raise UserError(
-                f"tensor {hf_key!r} in {tensors.directory} has shape {list(got)} but config.json implies "
-                f"{list(expected)}: the weights do not match config.json (wrong file or edited config)"
-            )
-        array = np.asarray(rule.to_nnx(tensors.get(hf_key), shape)).astype(DTYPES[dtype])
-        if mesh is not None:
-            spec = _partition_spec(var, shape, mesh)
-            # The annotation says what was placed: Qwix gives each LoRA factor its weight's annotation
-            # and Tunix constrains the optimizer state to it, so an axis that does not divide (3
-            # heads over tp=2) raised IndivisibleError at the first step.
-            key = next((k for k in _SHARDING_KEYS if var.get_metadata().get(k)), None)
-            if key is not None:
-                var.set_metadata(key, tuple(spec))
-        if on_host:
-            loaded[nnx_path] = jax.device_put(array, host_device())
-        elif mesh is not None:
-            loaded[nnx_path] = _on_mesh(array, jax.sharding.NamedSharding(mesh, spec))
-        else:
-            loaded[nnx_path] = jnp.asarray(array)
+        loaded[nnx_path] = _load_weight(variables[nnx_path], hf_key, rule, tensors, dtype=dtype, mesh=mesh, on_host=on_host)
     missing = sorted(set(variables) - set(loaded))
     if missing:
         raise AssertionError(f"{family.name} weight table does not cover NNX parameters {missing}")
+    _log_unused(family, hf_config, tensors)
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(loaded["/".join(map(str, path))])
+    return nnx.merge(graphdef, state)
+
+
+def _load_weight(
+    var: nnx.Variable,
+    hf_key: str,
+    rule: WeightRule,
+    tensors: SafetensorsCheckpoint,
+    *,
+    dtype: str,
+    mesh: jax.sharding.Mesh | None,
+    on_host: bool,
+) -> jax.Array:
+    """The HF tensor `hf_key` as the NNX parameter `var`: shape checked, converted by `rule`, placed."""
+    shape = tuple(var.get_value().shape)
+    expected = rule.hf_shape(shape)
+    got = tensors.shape(hf_key)
+    if got != expected:
+        raise UserError(
+            f"tensor {hf_key!r} in {tensors.directory} has shape {list(got)} but config.json implies "
+            f"{list(expected)}: the weights do not match config.json (wrong file or edited config)"
+        )
+    array = np.asarray(rule.to_nnx(tensors.get(hf_key), shape)).astype(DTYPES[dtype])
+    if mesh is not None:
+        spec = _partition_spec(var, shape, mesh)
+        # The annotation says what was placed: Qwix gives each LoRA factor its weight's annotation
+        # and Tunix constrains the optimizer state to it, so an axis that does not divide (3
+        # heads over tp=2) raised IndivisibleError at the first step.
+        key = next((k for k in _SHARDING_KEYS if var.get_metadata().get(k)), None)
+        if key is not None:
+            var.set_metadata(key, tuple(spec))
+    if on_host:
+        return jax.device_put(array, host_device())
+    if mesh is not None:
+        return _on_mesh(array, jax.sharding.NamedSharding(mesh, spec))
+    return jnp.asarray(array)
+
+
+def _log_unused(family: FamilySpec, hf_config: Mapping[str, Any], tensors: SafetensorsCheckpoint) -> None:
+    """Say which checkpoint tensors the family's table leaves out (a multimodal checkpoint's vision side apart)."""
     used = {hf_key for hf_key, _, _ in expand_rules(family.weights, hf_config, family.num_layers(hf_config))}
     unused = sorted(set(tensors.keys()) - used)
     if family.multimodal:
@@ -173,9 +193,6 @@ def fill_params(
         unused = [k for k in unused if k.startswith(family.decoder_tensors)]
     if unused:
         log.warning("ignoring %d checkpoint tensors the %s model does not use: %s", len(unused), family.name, unused[:8])
-    for path, var in nnx.to_flat_state(state):
-        var.set_value(loaded["/".join(map(str, path))])
-    return nnx.merge(graphdef, state)
 
 
 def _on_mesh(array: np.ndarray, sharding: jax.sharding.NamedSharding) -> jax.Array:
