@@ -21,6 +21,10 @@ def untied(hf_config: Mapping[str, Any]) -> bool:
 #: HF layer prefix shared by the Llama-style families (Llama 3, Qwen3, Qwen2).
 LAYER = "model.layers.{i}"
 
+#: The `auto` targets of a Llama-style model: every attention and MLP projection. Checkpoints record the
+#: resolved regex and a resume compares it, so the text stays as it is.
+LLAMA_STYLE_AUTO = r"layers/\d+/(attn/(q_proj|k_proj|v_proj|o_proj)|mlp/(gate_proj|up_proj|down_proj))"
+
 #: The seven projections of a Llama-style decoder layer: (HF module, NNX module, weight, HF axes, NNX axes).
 _PROJECTIONS = (
     ("self_attn.q_proj", "attn/q_proj", "w", "(n h) d", "d n h"),

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from lora_trainer.models.families.tables import LLAMA_STYLE_AUTO, lazy_build, llama_style_tables
 from lora_trainer.models.spec import FamilySpec
-from lora_trainer.models.families.tables import lazy_build, llama_style_tables
 
 WEIGHTS, LORA_TARGETS = llama_style_tables()
 
@@ -33,7 +33,7 @@ FAMILY = FamilySpec(
     name=__name__.rpartition(".")[2],
     model_types=("llama",),
     architectures=("LlamaForCausalLM",),
-    auto_target_regex=r"layers/\d+/(attn/(q_proj|k_proj|v_proj|o_proj)|mlp/(gate_proj|up_proj|down_proj))",
+    auto_target_regex=LLAMA_STYLE_AUTO,
     build=lazy_build(f"{__name__}.model"),
     weights=WEIGHTS,
     lora_targets=LORA_TARGETS,

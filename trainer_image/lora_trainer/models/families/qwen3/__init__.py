@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lora_trainer.models.spec import FamilySpec
-from lora_trainer.models.families.tables import LAYER, lazy_build, llama_style_tables
+from lora_trainer.models.families.tables import LAYER, LLAMA_STYLE_AUTO, lazy_build, llama_style_tables
 from lora_trainer.models.mapping import WeightRule
+from lora_trainer.models.spec import FamilySpec
 
 WEIGHTS, LORA_TARGETS = llama_style_tables(
     extra=(
@@ -29,7 +29,7 @@ FAMILY = FamilySpec(
     name=__name__.rpartition(".")[2],
     model_types=("qwen3",),
     architectures=("Qwen3ForCausalLM",),
-    auto_target_regex=r"layers/\d+/(attn/(q_proj|k_proj|v_proj|o_proj)|mlp/(gate_proj|up_proj|down_proj))",
+    auto_target_regex=LLAMA_STYLE_AUTO,
     build=lazy_build(f"{__name__}.model"),
     weights=WEIGHTS,
     lora_targets=LORA_TARGETS,
