@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("operator control", {"lora_operator.handlers", "lora_operator.controller", "lora_operator.reconcile",
                           "lora_operator.leader", "lora_operator.metrics", "lora_operator.kube"}),
     ("operator views", {"lora_operator.plan", "lora_operator.render", "lora_operator.crdgen", "lora_operator.refdocs"}),
-    ("operator parts", {"lora_operator.status", "lora_operator.progress", "lora_operator.failure", "lora_operator.policy",
+    ("operator parts", {"lora_operator.status", "lora_operator.run_progress", "lora_operator.failure", "lora_operator.policy",
                         "lora_operator.generated"}),
     ("operator model", {"lora_operator.api", "lora_operator.settings", "lora_operator.overlay", "lora_operator.scheduling",
                         "lora_operator.tpu", "lora_operator.images", "lora_operator"}),
@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, set[str]]] = [
                        "lora_trainer.progress", "lora_trainer.stop", "lora_trainer.schedule", "lora_trainer.distributed",
                        "lora_trainer.compile_cache", "lora_trainer.metrics", "lora_trainer.host_memory",
                        "lora_trainer.tiny_models", "lora_trainer.accumulating_dot", "lora_trainer.cross_entropy"}),
-    ("trainer config", {"lora_trainer.config", "lora_trainer.storage", "lora_trainer.storage_faults"}),
+    ("trainer config", {"lora_trainer.config", "lora_trainer.storage", "lora_trainer.storage_faults", "lora_trainer.progress_record"}),
     ("leaves", {"lora_trainer.errors", "lora_trainer.exit_codes", "lora_trainer"}),
 ]
 #: Operator modules that may import the trainer above its config layer (lazily: see LAYERS).
@@ -173,7 +173,7 @@ def test_operator_modules_import_nothing_heavy():
 
 
 def test_trainer_config_is_light():
-    code = ("import json, sys, lora_trainer.config, lora_trainer.storage, lora_trainer.exit_codes\n"
+    code = ("import json, sys, lora_trainer.config, lora_trainer.storage, lora_trainer.exit_codes, lora_trainer.progress_record\n"
             f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})))")
     assert _loaded(code) == []
 

@@ -9,7 +9,7 @@ trainer cannot drift apart.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -298,6 +298,10 @@ class LoraFinetuneStatus(ApiModel):
     """When the run reached Succeeded or Failed."""
     record: RunRecord | None = None
     """The operator's durable record (see RunRecord); for the operator, not for people."""
+
+    def to_patch(self) -> dict[str, Any]:
+        """The fields set on this (partial) status, by their wire names: a merge patch's body."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
 class AdapterEndpoint(ApiModel):

@@ -19,7 +19,6 @@ from lora_operator import status as st
 from lora_operator.api import API_VERSION
 from lora_operator.kube import CannotCreate, Kube
 from lora_operator.plan import plan_adapter_conversion, plan_lora_finetune
-from lora_operator.progress import ProgressReader, progress_status
 from lora_operator.reconcile import (
     Create,
     Observed,
@@ -35,7 +34,9 @@ from lora_operator.reconcile import (
     status_ops,
 )
 from lora_operator.render import JOBSET_API, Manifest
+from lora_operator.run_progress import ProgressReader, progress_status
 from lora_operator.settings import OperatorSettings
+from lora_trainer.progress_record import ProgressRecord
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +240,7 @@ class Controller:
             return {}
         return {k: v for k, v in progress_status(record, total).items() if status.get(k) != v}
 
-    def record_progress(self, namespace: str, name: str, record: dict[str, Any]) -> None:
+    def record_progress(self, namespace: str, name: str, record: ProgressRecord) -> None:
         """Copy a progress record (read by the timer) into a Running run's status (no longer
         Running: nothing to copy)."""
         with self._lock("LoraFinetune", namespace, name):

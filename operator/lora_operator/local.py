@@ -33,11 +33,12 @@ from pydantic import ValidationError
 
 from lora_operator.api import API_VERSION, LoraFinetuneSpec
 from lora_operator.crdgen import lora_finetune_crd
-from lora_operator.progress import progress_status
+from lora_operator.run_progress import progress_status
 from lora_operator.render import InvalidSpec, check_jobset_name, output_uris
 from lora_trainer import exit_codes, storage
 from lora_trainer.config import TrainConfig, did_you_mean, validation_problems, yaml_problem
 from lora_trainer.errors import TrainerError, UserError, device_oom_message
+from lora_trainer.progress_record import ProgressRecord
 
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://")
 #: Spec fields that only mean something on a cluster (everything the spec adds to TrainConfig).
@@ -164,31 +165,32 @@ def human_duration(seconds: float) -> str:
     return f"{d // 365}y"
 
 
-def _eta(record: dict[str, Any]) -> str:
-    if isinstance(record.get("eta"), str):
-        return record["eta"]
-    if isinstance(record.get("etaSeconds"), int | float):
-        return human_duration(record["etaSeconds"])
+def _eta(record: ProgressRecord) -> str:
+    if record.eta is not None:
+        return record.eta
+    if record.eta_seconds is not None:
+        return human_duration(record.eta_seconds)
     return "?"
 
 
-def _tokens_per_second(record: dict[str, Any]) -> str:
-    tps = record.get("tokensPerSecond")
-    if not isinstance(tps, int | float):
+def _tokens_per_second(record: ProgressRecord) -> str:
+    tps = record.tokens_per_second
+    if tps is None:
         return "? tok/s"
     return f"{tps / 1000:.1f}k tok/s" if tps >= 1000 else f"{tps:.0f} tok/s"
 
 
-def progress_line(record: dict[str, Any], *, bar_width: int = 0) -> str:
+def progress_line(record: ProgressRecord | dict[str, Any], *, bar_width: int = 0) -> str:
     """One progress record as text: `[####....] 120/300  loss 2.3456  1.2k tok/s  ETA 35s`
     (the bar only when bar_width > 0)."""
-    step, total = int(record.get("step", 0)), max(int(record.get("totalSteps", 0)), 1)
-    loss = record.get("loss")
-    text = f"step {step}/{total}  loss {loss:.4f}" if isinstance(loss, int | float) else f"step {step}/{total}  loss ?"
-    if record.get("tokensPerSecond") is None and record.get("stepTimeSeconds") is None and "stepTimeSeconds" in record:
+    rec = record if isinstance(record, ProgressRecord) else ProgressRecord.parse(record) or ProgressRecord()
+    step, total = rec.step or 0, max(rec.total_steps or 0, 1)
+    loss = rec.loss
+    text = f"step {step}/{total}  loss {loss:.4f}" if loss is not None else f"step {step}/{total}  loss ?"
+    if rec.untimed():
         text += "  (compiled the train step; timing from the next step)"  # the trainer leaves this step untimed
     else:
-        text += f"  {_tokens_per_second(record)}  ETA {_eta(record)}"
+        text += f"  {_tokens_per_second(rec)}  ETA {_eta(rec)}"
     if bar_width > 0:
         done = min(bar_width, bar_width * step // total)
         text = f"[{'#' * done}{'.' * (bar_width - done)}] {100 * step // total:3d}%  {text}"
@@ -442,7 +444,7 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
     records = read_metrics(storage.read_text(metrics_uri))
     plot_uri = _plot(metrics_uri, records, f"{name}: {cfg.model.source.rsplit('/', 1)[-1]}")
     if "loss" not in last:  # a rerun of a finished run reports nothing new: show the recorded end
-        last = next((r for r in reversed(records) if "loss" in r and "totalSteps" in r), {})
+        last = next((r for r in reversed(records) if {"loss", "total_steps"} <= ProgressRecord.model_validate(r).model_fields_set), {})
 
     status = {"phase": "Succeeded", "tpu": tpu, "restarts": 0, "preemptions": 0, **progress_status(last, cfg.training.steps)}
     status.update(step=result.final_step, progress=f"{result.final_step}/{cfg.training.steps}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from lora_operator import status as st
-from lora_operator.progress import progress_status, read_progress
+from lora_operator.run_progress import progress_status, read_progress
 
 NOW = "2026-12-03T08:00:00Z"
 LATER = "2026-12-03T09:00:00Z"

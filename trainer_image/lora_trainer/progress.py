@@ -13,7 +13,6 @@ killed in between repeats those steps after resuming anyway.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import math
 import sys
@@ -22,6 +21,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lora_trainer import storage
+from lora_trainer.progress_record import ProgressRecord, now_rfc3339
+
+#: The record's fields that are also TensorBoard scalars (`train/<camelCase name>`).
+_SCALARS = {"loss", "learning_rate", "tokens_per_second", "step_time_seconds", "mfu"}
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 
@@ -36,11 +39,6 @@ def format_eta(seconds: float) -> str:
     if m:
         return f"{m}m{sec:02d}s"
     return f"{sec}s"
-
-
-def now_rfc3339() -> str:
-    """UTC wall time, second precision, `Z` suffix."""
-    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def progress_record(
@@ -60,19 +58,19 @@ def progress_record(
     Throughput fields are None for an interval with no timed step (only the step that compiled).
     The ETA is the steps left at this step time plus `pending_seconds` (the eval passes still due)."""
     eta = None if step_time_seconds is None else step_time_seconds * max(total_steps - step, 0) + pending_seconds
-    return {
-        "step": step,
-        "totalSteps": total_steps,
-        "loss": _finite(loss),
-        "learningRate": float(learning_rate),
-        "tokensPerSecond": _float(tokens_per_second),
-        "stepTimeSeconds": _float(step_time_seconds),
-        "etaSeconds": _float(eta),
-        "eta": None if eta is None else format_eta(eta),
-        "mfu": _float(mfu),
-        "lastCheckpoint": last_checkpoint,
-        "time": now_rfc3339(),
-    }
+    return ProgressRecord(
+        step=step,
+        total_steps=total_steps,
+        loss=_finite(loss),
+        learning_rate=float(learning_rate),
+        tokens_per_second=_float(tokens_per_second),
+        step_time_seconds=_float(step_time_seconds),
+        eta_seconds=_float(eta),
+        eta=None if eta is None else format_eta(eta),
+        mfu=_float(mfu),
+        last_checkpoint=last_checkpoint,
+        time=now_rfc3339(),
+    ).to_wire()
 
 
 def _float(x: float | None) -> float | None:
@@ -158,10 +156,11 @@ class ProgressSink:
         if not self._gcs:
             with storage.local_path(self._metrics_uri).open("a") as f:
                 f.write(line + "\n")
-        scalars = {k: record[k] for k in ("loss", "learningRate", "tokensPerSecond", "stepTimeSeconds", "mfu")}
+        typed = ProgressRecord.parse(record)
+        scalars = typed.model_dump(by_alias=True, include=_SCALARS)
         for name, value in {**scalars, **(extra_scalars or {})}.items():
             if value is not None:
-                self._tb.add_scalar(f"train/{name}", value, record["step"])
+                self._tb.add_scalar(f"train/{name}", value, typed.step)
         self._publish(record)
 
     def checkpointed(self, uri: str) -> None:
@@ -172,7 +171,7 @@ class ProgressSink:
         """
         if not self.primary or self._last is None:
             return
-        self._publish({**self._last, "lastCheckpoint": uri})
+        self._publish(ProgressRecord.parse(self._last).with_checkpoint(uri).to_wire())
 
     def _publish(self, record: dict[str, Any]) -> None:
         """The operator's channel (progress.json, rewritten whole) and the callback get `record`."""

@@ -20,9 +20,10 @@ import logging
 import threading
 from typing import Any
 
-from lora_operator.api import MAX_SHORT, MAX_STATUS_URI
+from lora_operator.api import MAX_SHORT, MAX_STATUS_URI, LoraFinetuneStatus
 from lora_trainer import storage
 from lora_trainer.errors import TrainerError
+from lora_trainer.progress_record import ProgressRecord
 
 PROGRESS_FILE = "progress.json"
 #: Seconds a caller waits for one read (the timer, and the last read when training ends).
@@ -33,7 +34,7 @@ READ_SLOTS = 8
 log = logging.getLogger(__name__)
 
 
-def read_progress(output_uri: str) -> dict[str, Any] | None:
+def read_progress(output_uri: str) -> ProgressRecord | None:
     """The trainer's last progress record, or None while there is none (or it cannot be read now)."""
     uri = storage.join(output_uri, PROGRESS_FILE)
     try:
@@ -49,7 +50,7 @@ def read_progress(output_uri: str) -> dict[str, Any] | None:
     except json.JSONDecodeError as e:
         log.warning("ignoring malformed progress record %s: %s", uri, e)
         return None
-    return record if isinstance(record, dict) else None
+    return ProgressRecord.parse(record)
 
 
 class ProgressReader:
@@ -59,9 +60,9 @@ class ProgressReader:
         self.timeout = timeout
         self._slots = slots
         self._lock = threading.Lock()
-        self._inflight: dict[str, concurrent.futures.Future[dict[str, Any] | None]] = {}
+        self._inflight: dict[str, concurrent.futures.Future[ProgressRecord | None]] = {}
 
-    def _start(self, output_uri: str) -> concurrent.futures.Future[dict[str, Any] | None] | None:
+    def _start(self, output_uri: str) -> concurrent.futures.Future[ProgressRecord | None] | None:
         """The read of `output_uri` in flight (a new one if none and a slot is free), or None."""
         with self._lock:
             if (future := self._inflight.get(output_uri)) is not None:
@@ -83,7 +84,7 @@ class ProgressReader:
         threading.Thread(target=run, name=f"progress-{output_uri}", daemon=True).start()
         return future
 
-    def read(self, output_uri: str) -> dict[str, Any] | None:
+    def read(self, output_uri: str) -> ProgressRecord | None:
         """The record, waiting at most `timeout` (for a worker thread: the last read of a run)."""
         future = self._start(output_uri)
         try:
@@ -92,7 +93,7 @@ class ProgressReader:
             log.warning("no answer from storage for %s within %.0fs; the status keeps its last progress", output_uri, self.timeout)
             return None
 
-    async def aread(self, output_uri: str) -> dict[str, Any] | None:
+    async def aread(self, output_uri: str) -> ProgressRecord | None:
         """The record, awaited at most `timeout` in the event loop (the progress timer)."""
         future = self._start(output_uri)
         if future is None:
@@ -104,30 +105,26 @@ class ProgressReader:
             return None
 
 
-def _fmt(value: Any, digits: int) -> str | None:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return f"{value:.{digits}g}"
-    return None
+def _fmt(value: float | None, digits: int) -> str | None:
+    return None if value is None else f"{value:.{digits}g}"
 
 
-def progress_status(record: dict[str, Any], total_steps: int) -> dict[str, Any]:
-    """Status fields from a progress record (only the ones present and well-typed)."""
-    out: dict[str, Any] = {}
-    step = record.get("step")
-    total = record.get("totalSteps") if isinstance(record.get("totalSteps"), int) else total_steps
-    if isinstance(step, int) and not isinstance(step, bool):
-        out["step"] = step
-        out["totalSteps"] = total
-        out["progress"] = f"{step}/{total}"
-    if (loss := _fmt(record.get("loss"), 4)) is not None:
-        out["loss"] = loss
-    if (tps := _fmt(record.get("tokensPerSecond"), 4)) is not None:
-        out["tokensPerSecond"] = tps
-    if (mfu := _fmt(record.get("mfu"), 3)) is not None:
-        out["mfu"] = mfu
+def progress_fields(record: ProgressRecord, total_steps: int) -> LoraFinetuneStatus:
+    """The partial status a progress record sets (only the fields present and well-typed)."""
+    fields: dict[str, Any] = {}
+    total = record.total_steps if record.total_steps is not None else total_steps
+    if record.step is not None:
+        fields.update(step=record.step, total_steps=total, progress=f"{record.step}/{total}")
+    fields.update(loss=_fmt(record.loss, 4), tokens_per_second=_fmt(record.tokens_per_second, 4), mfu=_fmt(record.mfu, 3))
     # Strings from the record are the trainer's: bounded as the status schema bounds them.
-    if isinstance(record.get("eta"), str) and len(record["eta"]) <= MAX_SHORT:
-        out["eta"] = record["eta"]
-    if isinstance(record.get("lastCheckpoint"), str) and len(record["lastCheckpoint"]) <= MAX_STATUS_URI:
-        out["lastCheckpoint"] = record["lastCheckpoint"]
-    return out
+    if record.eta is not None and len(record.eta) <= MAX_SHORT:
+        fields["eta"] = record.eta
+    if record.last_checkpoint is not None and len(record.last_checkpoint) <= MAX_STATUS_URI:
+        fields["last_checkpoint"] = record.last_checkpoint
+    return LoraFinetuneStatus(**{k: v for k, v in fields.items() if v is not None})
+
+
+def progress_status(record: ProgressRecord | dict[str, Any], total_steps: int) -> dict[str, Any]:
+    """Status fields (wire names) from a progress record (its decoded JSON or the typed record)."""
+    typed = record if isinstance(record, ProgressRecord) else ProgressRecord.parse(record) or ProgressRecord()
+    return progress_fields(typed, total_steps).to_patch()
