@@ -9,6 +9,7 @@ trainer cannot drift apart.
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -31,10 +32,24 @@ from lora_operator.tpu import CATALOG
 GROUP = "lora-operator.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
+#: The JobSet API the operator renders and watches (the one place it is written).
+JOBSET_GROUP, JOBSET_VERSION = "jobset.x-k8s.io", "v1alpha2"
+JOBSET_API = f"{JOBSET_GROUP}/{JOBSET_VERSION}"
 
 #: TPU generations a CR may name: the keys of `tpu.CATALOG` (one list; the CRD enum derives from it).
 TpuType = Literal[tuple(CATALOG)]  # type: ignore[valid-type]
-Phase = Literal["Pending", "Running", "Suspended", "Exporting", "Succeeded", "Failed"]
+
+
+# A resource's phase: the one spelling of each (members compare equal to their strings). No
+# docstring: the field's own description goes into the CRD.
+class Phase(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUSPENDED = "Suspended"
+    EXPORTING = "Exporting"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
 
 #: Resource names a CR may request or limit; TPU chips come from `tpu`, never from `resources`.
 ALLOWED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
@@ -363,7 +378,7 @@ class AdapterConversionSpec(ApiModel):
 
 
 class AdapterConversionStatus(ApiModel):
-    phase: Literal["Pending", "Running", "Succeeded", "Failed"] | None = None
+    phase: Literal[Phase.PENDING, Phase.RUNNING, Phase.SUCCEEDED, Phase.FAILED] | None = None
     """Pending, Running, Succeeded or Failed."""
     conditions: Conditions = Field(default_factory=list)
     """Latest observations."""

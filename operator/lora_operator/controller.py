@@ -16,7 +16,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from lora_operator import status as st
-from lora_operator.api import API_VERSION
+from lora_operator.api import API_VERSION, JOBSET_API, Phase
 from lora_operator.kube import CannotCreate, Kube
 from lora_operator.plan import plan_adapter_conversion, plan_lora_finetune
 from lora_operator.reconcile import (
@@ -33,7 +33,7 @@ from lora_operator.reconcile import (
     release,
     status_ops,
 )
-from lora_operator.render import JOBSET_API, Manifest
+from lora_operator.render import Manifest
 from lora_operator.run_progress import ProgressReader, progress_status
 from lora_operator.settings import OperatorSettings
 from lora_trainer.progress_record import ProgressRecord
@@ -218,7 +218,7 @@ class Controller:
             jobs = {n: owned(self.kube.get("batch/v1", "Job", ns, n), cr) for n in plan.export_names}
         progress: dict[str, Any] = {}
         if phase in st.TRAINING and jobset is not None and plan.spec is not None:
-            if st.observe_jobset(jobset).phase in ("Exporting", "Failed"):
+            if st.observe_jobset(jobset).phase in (Phase.EXPORTING, Phase.FAILED):
                 # Training ended: read the last record, or the status keeps the timer's (often well before the end).
                 progress = self._progress(plan.spec.output.uri, plan.spec.training.steps, status)
         return Observed(jobset=jobset, jobs=jobs, progress=progress)
@@ -247,7 +247,7 @@ class Controller:
             for _ in range(MAX_ROUNDS):  # kopf's own annotation patches may land between the read and the write
                 cr = self.kube.get(API_VERSION, "LoraFinetune", namespace, name)
                 status = (cr or {}).get("status") or {}
-                if cr is None or status.get("phase") != "Running":
+                if cr is None or status.get("phase") != Phase.RUNNING:
                     return
                 total = int(((cr.get("spec") or {}).get("training") or {}).get("steps") or status.get("totalSteps") or 0)
                 try:
@@ -280,7 +280,7 @@ class Controller:
                 try:
                     child = self.kube.create_or_adopt(op.manifest)
                 except CannotCreate as e:
-                    obs = st.Observation("Failed", op.reason or e.reason, f"{op.prefix}{e}")
+                    obs = st.Observation(Phase.FAILED, op.reason or e.reason, f"{op.prefix}{e}")
                     return self._execute(cr, status_ops(cr, obs, st.now_rfc3339()), seen)[0], None
                 created[child["kind"] + "/" + child["metadata"]["name"]] = child
                 self._remember(child)

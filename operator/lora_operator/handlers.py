@@ -18,9 +18,9 @@ from typing import Any
 
 import kopf
 
-from lora_operator.api import GROUP, VERSION
+from lora_operator.api import GROUP, JOBSET_GROUP, JOBSET_VERSION, VERSION, Phase
 from lora_operator.controller import Controller
-from lora_operator.render import ADC_LABEL, COMPONENT_LABEL, LFT_LABEL
+from lora_operator.labels import ADC_LABEL, COMPONENT_LABEL, LFT_LABEL
 from lora_operator.settings import OperatorSettings
 
 LFT = "lorafinetunes"
@@ -73,15 +73,15 @@ async def read_progress(meta: kopf.Meta, spec: kopf.Spec, memo: kopf.Memo, **_: 
 
 
 def _in_flight(status: kopf.Status, **_: Any) -> bool:
-    return status.get("phase") in ("Pending", "Running", "Suspended", "Exporting")
+    return status.get("phase") in (Phase.PENDING, Phase.RUNNING, Phase.SUSPENDED, Phase.EXPORTING)
 
 
 def _converting(status: kopf.Status, **_: Any) -> bool:
-    return status.get("phase") in ("Pending", "Running")
+    return status.get("phase") in (Phase.PENDING, Phase.RUNNING)
 
 
 def _running(status: kopf.Status, **_: Any) -> bool:
-    return status.get("phase") == "Running"
+    return status.get("phase") == Phase.RUNNING
 
 
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
@@ -99,7 +99,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
                id="resync")(reconcile_run)
     kopf.timer(GROUP, VERSION, ADC, interval=interval, initial_delay=interval, when=_converting, registry=registry,
                id="resync")(reconcile_conversion)
-    kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LFT_LABEL: kopf.PRESENT}, registry=registry)(run_child_event)
+    kopf.on.event(JOBSET_GROUP, JOBSET_VERSION, "jobsets", labels={LFT_LABEL: kopf.PRESENT}, registry=registry)(run_child_event)
     kopf.on.event("batch", "v1", "jobs", labels={LFT_LABEL: kopf.PRESENT, COMPONENT_LABEL: "export"}, registry=registry)(run_child_event)
     kopf.on.event("batch", "v1", "jobs", labels={ADC_LABEL: kopf.PRESENT, COMPONENT_LABEL: "convert"},
                   registry=registry)(conversion_child_event)

@@ -23,7 +23,7 @@ import urllib3
 import kubernetes.client
 from kubernetes.client.exceptions import ApiException
 
-from lora_operator.api import API_VERSION
+from lora_operator.api import API_VERSION, JOBSET_API
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ PLURALS = {
     ("v1", "Secret"): "secrets",
     ("v1", "Event"): "events",
     ("batch/v1", "Job"): "jobs",
-    ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobsets",
+    (JOBSET_API, "JobSet"): "jobsets",
     (API_VERSION, "LoraFinetune"): "lorafinetunes",
     (API_VERSION, "AdapterConversion"): "adapterconversions",
     ("coordination.k8s.io/v1", "Lease"): "leases",

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 import yaml
 from pydantic import ValidationError
 
-from lora_operator.api import API_VERSION, LoraFinetuneSpec
+from lora_operator.api import API_VERSION, LoraFinetuneSpec, Phase
 from lora_operator.crdgen import lora_finetune_crd
 from lora_operator.run_progress import progress_status
 from lora_operator.render import InvalidSpec, check_jobset_name, output_uris
@@ -446,7 +446,7 @@ def _run(path: Path, output: str | None, view: ProgressView) -> tuple[dict[str, 
     if "loss" not in last:  # a rerun of a finished run reports nothing new: show the recorded end
         last = next((r for r in reversed(records) if {"loss", "total_steps"} <= ProgressRecord.model_validate(r).model_fields_set), {})
 
-    status = {"phase": "Succeeded", "tpu": tpu, "restarts": 0, "preemptions": 0, **progress_status(last, cfg.training.steps)}
+    status = {"phase": Phase.SUCCEEDED, "tpu": tpu, "restarts": 0, "preemptions": 0, **progress_status(last, cfg.training.steps)}
     status.update(step=result.final_step, progress=f"{result.final_step}/{cfg.training.steps}")
     obj = {"metadata": {"name": name, "creationTimestamp": created.isoformat()}, "spec": spec.to_wire(), "status": status}
     paths = {"adapter": uris.get("adapter"), "merged model": uris.get("merged"), "checkpoints": str(result.checkpoint_root),

@@ -16,7 +16,7 @@ import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any
 
 import kopf
 import prometheus_client
@@ -104,7 +104,7 @@ class OperatorMetrics(Collector):
             if deleted:
                 return
             record = self._runs[key] = RunRecord.of(body)
-        if previous is not None and previous.phase == "Pending" and record.phase == "Running":
+        if previous is not None and previous.phase == Phase.PENDING and record.phase == Phase.RUNNING:
             if previous.since is not None and record.since is not None and record.since >= previous.since:
                 self.admission_wait.observe((record.since - previous.since).total_seconds())
 
@@ -121,8 +121,8 @@ class OperatorMetrics(Collector):
             runs = dict(self._runs)
         now = datetime.datetime.now(tz=datetime.UTC)
         phases = GaugeMetricFamily(f"{PREFIX}_runs", "LoraFinetunes by phase", labels=["phase"])
-        for phase in get_args(Phase):
-            phases.add_metric([phase], sum(1 for r in runs.values() if r.phase == phase))
+        for phase in Phase:
+            phases.add_metric([phase.value], sum(1 for r in runs.values() if r.phase == phase))
         yield phases
         per_run = {
             "step": GaugeMetricFamily(f"{PREFIX}_run_step", "Last optimizer step the trainer reported", labels=RUN_LABELS),
@@ -149,7 +149,7 @@ class OperatorMetrics(Collector):
                     family.add_metric(labels, value)
             restarts.add_metric(labels, r.restarts)
             preemptions.add_metric(labels, r.preemptions)
-            if r.phase == "Pending" and r.since is not None:
+            if r.phase == Phase.PENDING and r.since is not None:
                 pending.add_metric(labels, max(0.0, (now - r.since).total_seconds()))
         yield from (phase_of, *per_run.values(), restarts, preemptions, pending)
 

@@ -156,7 +156,7 @@ def status_ops(cr: Manifest, obs: st.Observation, now: str, *, events: bool = Tr
         return []
     ops: list[Op] = []
     if events and current.get("phase") != obs.phase:
-        ops.append(PostEvent("Warning" if obs.phase == "Failed" else "Normal", obs.reason, obs.message,
+        ops.append(PostEvent("Warning" if obs.phase == Phase.FAILED else "Normal", obs.reason, obs.message,
                              f"phase/{obs.phase}/{obs.reason}/{obs.restarts or 0}/{obs.preemptions or 0}/{gen}"))
     if events and (obs.restarts or 0) > (current.get("restarts") or 0):
         ops.append(PostEvent("Warning", "Restarted", f"the JobSet restarted (restart {obs.restarts} of spec.maxRestarts "
@@ -172,7 +172,7 @@ def status_ops(cr: Manifest, obs: st.Observation, now: str, *, events: bool = Tr
 
 
 def _fail(cr: Manifest, reason: str, message: str, now: str, **fields: Any) -> list[Op]:
-    return status_ops(cr, st.Observation("Failed", reason, message), now, **fields)
+    return status_ops(cr, st.Observation(Phase.FAILED, reason, message), now, **fields)
 
 
 def _key(text: str) -> str:
@@ -190,7 +190,7 @@ def decide_lora_finetune(cr: Manifest, plan: Plan, seen: Observed, now: str) -> 
         return release(seen.jobset, *seen.jobs.values())
     if not status.get("jobSetName"):
         return _admit(cr, plan, seen, now)
-    if phase == "Exporting":
+    if phase == Phase.EXPORTING:
         return _export(cr, plan, seen, now)
     return _train(cr, plan, seen, now)
 
@@ -210,14 +210,14 @@ def _admit(cr: Manifest, plan: Plan, seen: Observed, now: str) -> list[Op]:
         message = (f"spec.hfTokenSecretRef: {what} not found in namespace {ns}; create it (kubectl -n {ns} create secret generic "
                    f"{ref.name} --from-literal={ref.key}=<HF token>) or fix hfTokenSecretRef; the run starts once it exists")
         conditions = st.set_condition(conditions, "SecretsResolved", "False", "SecretNotFound", message, gen, now)
-        if conditions == status.get("conditions") and status.get("phase") == "Pending":
+        if conditions == status.get("conditions") and status.get("phase") == Phase.PENDING:
             return []
         return [PostEvent("Warning", "SecretNotFound", message, f"secret/{gen}"),
-                WriteStatus({"phase": "Pending", "conditions": conditions})]
+                WriteStatus({"phase": Phase.PENDING, "conditions": conditions})]
     if ref is not None:
         conditions = st.set_condition(conditions, "SecretsResolved", "True", "SecretFound", "hfTokenSecretRef resolved", gen, now)
-    obs = (st.Observation("Suspended", "Suspended", "created suspended; set spec.suspend to false to start") if plan.suspend
-           else st.Observation("Pending", "JobSetCreated", f"created JobSet {plan.names.jobset}; waiting for TPU pods"))
+    obs = (st.Observation(Phase.SUSPENDED, "Suspended", "created suspended; set spec.suspend to false to start") if plan.suspend
+           else st.Observation(Phase.PENDING, "JobSetCreated", f"created JobSet {plan.names.jobset}; waiting for TPU pods"))
     admitted = {**cr, "status": {**status, "conditions": conditions}}
     record = {"suspendRequested": plan.suspend, "suspendApplied": plan.suspend, "children": []}
     # Written before the children exist, so every JobSet-driven decision finds the run admitted.
@@ -246,10 +246,10 @@ def _train(cr: Manifest, plan: Plan, seen: Observed, now: str) -> list[Op]:
                              f"the operator's settings now refuse this spec ({plan.problem}); this run was admitted before and "
                              "keeps running, new runs like it are refused", f"settings/{_key(str(plan.problem))}"))
     obs = st.observe_jobset(js, requested_suspend=plan.suspend)
-    if obs.phase in ("Exporting", "Failed"):
+    if obs.phase in (Phase.EXPORTING, Phase.FAILED):
         # Training ended: write so before the JobSet may go (its finalizer is released once this is read back).
-        if obs.phase == "Exporting" and not plan.export_names:
-            obs = st.Observation("Succeeded", "TrainingCompleted", "training finished; no export requested (output.export)",
+        if obs.phase == Phase.EXPORTING and not plan.export_names:
+            obs = st.Observation(Phase.SUCCEEDED, "TrainingCompleted", "training finished; no export requested (output.export)",
                                  obs.restarts, completion_time=obs.completion_time)
         return [*ops, *status_ops(cr, obs, now, **seen.progress, record=record)]
     if deleting(js):  # deleted before it finished: let it go; it is created again once gone
@@ -286,8 +286,8 @@ def _apply_suspend(cr: Manifest, js: Manifest, plan: Plan, record: Status, now: 
                          f"suspend/{suspend}/{gen}"))
     patched = {**js, "spec": {**(js.get("spec") or {}), "suspend": suspend}}
     obs = st.observe_jobset(patched, requested_suspend=suspend)
-    if not suspend and obs.phase == "Pending" and obs.reason != "WaitingForAdmission":
-        obs = st.Observation("Pending", "Resumed", st.RESUMED, obs.restarts)
+    if not suspend and obs.phase == Phase.PENDING and obs.reason != "WaitingForAdmission":
+        obs = st.Observation(Phase.PENDING, "Resumed", st.RESUMED, obs.restarts)
     applied = {**record, "suspendApplied": suspend}
     return [*ops, *status_ops({**cr, "status": status}, obs, now, events=False, record=applied)]
 
@@ -325,13 +325,13 @@ def _export(cr: Manifest, plan: Plan, seen: Observed, now: str) -> list[Op]:
         return [*ops, *_record_only(cr, record), *creates]
     obs = st.combine_jobs([st.observe_job(observed[name], "export") for name in plan.export_names])
     fields: Status = {"record": record}
-    if obs.phase == "Succeeded" and plan.spec is not None:
+    if obs.phase == Phase.SUCCEEDED and plan.spec is not None:
         uris = output_uris(plan.spec)
         fields |= {"adapterUri": uris.get("adapter"), "mergedUri": uris.get("merged")}
-    elif obs.phase == "Failed":
-        obs = st.Observation("Failed", "ExportFailed", obs.message, completion_time=obs.completion_time)
+    elif obs.phase == Phase.FAILED:
+        obs = st.Observation(Phase.FAILED, "ExportFailed", obs.message, completion_time=obs.completion_time)
     else:  # still exporting: the condition says whether the export pod waits or runs
-        obs = st.Observation("Exporting", obs.reason, obs.message)
+        obs = st.Observation(Phase.EXPORTING, obs.reason, obs.message)
     return [*ops, *status_ops(cr, obs, now, **fields)]
 
 
@@ -347,7 +347,7 @@ def decide_adapter_conversion(cr: Manifest, plan: ConversionPlan, seen: Observed
     if not status.get("jobName"):
         if plan.problem is not None:
             return _fail(cr, plan.problem.reason, str(plan.problem), now)
-        obs = st.Observation("Pending", "JobCreated", f"created conversion Job {plan.job_name}")
+        obs = st.Observation(Phase.PENDING, "JobCreated", f"created conversion Job {plan.job_name}")
         creates = [Create(plan.job)] if plan.job is not None and job is None else []
         return [*status_ops(cr, obs, now, events=False, jobName=plan.job_name, record={"children": []}), *creates]
     record = _record(status)
@@ -364,7 +364,7 @@ def decide_adapter_conversion(cr: Manifest, plan: ConversionPlan, seen: Observed
     if deleting(job) and obs.phase not in st.TERMINAL:
         return [*ops, *_record_only(cr, record), *release(job)]
     ops += track(job)
-    if obs.phase == "Failed":
+    if obs.phase == Phase.FAILED:
         obs = replace(obs, reason="ConversionFailed")
-    output = plan.spec.target.uri if obs.phase == "Succeeded" and plan.spec else None
+    output = plan.spec.target.uri if obs.phase == Phase.SUCCEEDED and plan.spec else None
     return [*ops, *status_ops(cr, obs, now, outputUri=output, record=record)]

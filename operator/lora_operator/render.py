@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from lora_operator.api import API_VERSION, AdapterConversionSpec, LoraFinetuneSpec, Resources
+from lora_operator.api import API_VERSION, JOBSET_API, AdapterConversionSpec, LoraFinetuneSpec, Resources
+from lora_operator.labels import ADC_LABEL, COMPONENT_LABEL, LFT_LABEL, QUEUE_LABEL
 from lora_operator.failure import TRAINER_CONTAINER, jobset_failure_policy, pod_failure_policy
 from lora_operator.overlay import overlay_pod_template
 from lora_operator.policy import Problems, adapter_conversion_problems, image_problems, lora_finetune_problems
@@ -29,17 +30,11 @@ from lora_trainer.config import dump_train_config, validation_problems
 Manifest = dict[str, Any]
 M = TypeVar("M", bound=BaseModel)
 
-JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "slice"
 COORDINATOR_PORT = 8476
 CONFIG_DIR = "/etc/lora-operator"
 CONFIG_KEY = "config.json"
 MANAGED_BY = "lora-operator"
-#: Label tying every child to its CR; handlers watch children by it.
-LFT_LABEL = "lora-operator.dev/lorafinetune"
-ADC_LABEL = "lora-operator.dev/adapterconversion"
-COMPONENT_LABEL = "lora-operator.dev/component"
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 #: On the JobSet and the Jobs the operator creates: their controllers (and TTL) may finish and delete
 #: them, but the object stays until the operator has recorded in the CR's status what it did, as the

@@ -11,21 +11,17 @@ message says what to do.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any
 
-from lora_operator.api import MAX_MESSAGE
-from lora_operator.render import LFT_LABEL, QUEUE_LABEL
+from lora_operator.api import MAX_MESSAGE, Phase
+from lora_operator.labels import LFT_LABEL, QUEUE_LABEL
+from lora_trainer.progress_record import now_rfc3339
 
 #: Phases after which nothing changes any more.
-TERMINAL = ("Succeeded", "Failed")
+TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
 #: Phases in which a LoraFinetune needs its JobSet.
-TRAINING = ("Pending", "Running", "Suspended")
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+TRAINING = (Phase.PENDING, Phase.RUNNING, Phase.SUSPENDED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,24 +86,24 @@ def observe_jobset(jobset: dict[str, Any], *, requested_suspend: bool = False) -
         else:
             hint = (f"a trainer pod exited with a non-retriable code (3 = bad config, model or data); "
                     f"read `{logs}`, fix the spec and create a new LoraFinetune")
-        return Observation("Failed", "TrainingFailed", f"{detail} ({reason}): {hint}", **counts,
+        return Observation(Phase.FAILED, "TrainingFailed", f"{detail} ({reason}): {hint}", **counts,
                            completion_time=c.get("lastTransitionTime"))
     if c := _true_condition(status, "Completed"):
-        return Observation("Exporting", "TrainingCompleted", "training finished; exporting the adapter", **counts,
+        return Observation(Phase.EXPORTING, "TrainingCompleted", "training finished; exporting the adapter", **counts,
                            completion_time=c.get("lastTransitionTime"))
     if (jobset.get("spec") or {}).get("suspend"):
         if requested_suspend:
-            return Observation("Suspended", "Suspended", "the JobSet is suspended; set spec.suspend to false to resume from the last checkpoint", **counts)
+            return Observation(Phase.SUSPENDED, "Suspended", "the JobSet is suspended; set spec.suspend to false to resume from the last checkpoint", **counts)
         queue = kueue_queue(jobset)
         if queue is None:  # no Kueue holds it: the operator is resuming it (spec.suspend is false)
-            return Observation("Pending", "Resumed", RESUMED, **counts)
-        return Observation("Pending", "WaitingForAdmission",
+            return Observation(Phase.PENDING, "Resumed", RESUMED, **counts)
+        return Observation(Phase.PENDING, "WaitingForAdmission",
                            f"the JobSet is suspended until Kueue admits it from LocalQueue {queue}; check `kubectl get workloads` for quota", **counts)
     jobs = status.get("replicatedJobsStatus") or []
     if any((j.get("active") or 0) + (j.get("ready") or 0) > 0 for j in jobs):
-        return Observation("Running", "TrainingRunning", "trainer pods are running", **counts)
+        return Observation(Phase.RUNNING, "TrainingRunning", "trainer pods are running", **counts)
     return Observation(
-        "Pending", "WaitingForPods",
+        Phase.PENDING, "WaitingForPods",
         "waiting for TPU nodes and pods to start (check Kueue admission and node pool capacity if this lasts)", **counts,
     )
 
@@ -119,16 +115,16 @@ def observe_job(job: dict[str, Any], what: str) -> Observation:
     if c := _true_condition(status, "Failed"):
         detail = c.get("message") or c.get("reason") or "the Job failed"
         return Observation(
-            "Failed", f"{what.capitalize()}Failed",
+            Phase.FAILED, f"{what.capitalize()}Failed",
             f"{what} Job {name} failed: {detail}; read `kubectl logs job/{name}`, fix the cause and recreate the resource",
             start_time=status.get("startTime"), completion_time=status.get("completionTime") or c.get("lastTransitionTime"),
         )
     if _true_condition(status, "Complete"):
-        return Observation("Succeeded", f"{what.capitalize()}Succeeded", f"{what} Job {name} finished",
+        return Observation(Phase.SUCCEEDED, f"{what.capitalize()}Succeeded", f"{what} Job {name} finished",
                            start_time=status.get("startTime"), completion_time=status.get("completionTime"))
     if (status.get("active") or 0) > 0:
-        return Observation("Running", f"{what.capitalize()}Running", f"{what} Job {name} is running", start_time=status.get("startTime"))
-    return Observation("Pending", f"{what.capitalize()}Pending", f"{what} Job {name} is waiting for its pod")
+        return Observation(Phase.RUNNING, f"{what.capitalize()}Running", f"{what} Job {name} is running", start_time=status.get("startTime"))
+    return Observation(Phase.PENDING, f"{what.capitalize()}Pending", f"{what} Job {name} is waiting for its pod")
 
 
 def job_finished(job: dict[str, Any]) -> bool:
@@ -140,24 +136,24 @@ def job_finished(job: dict[str, Any]) -> bool:
 def combine_jobs(observations: list[Observation]) -> Observation:
     """Several export Jobs (adapter, merged) as one: any failure fails, all must succeed."""
     for o in observations:
-        if o.phase == "Failed":
+        if o.phase == Phase.FAILED:
             return o
-    if observations and all(o.phase == "Succeeded" for o in observations):
+    if observations and all(o.phase == Phase.SUCCEEDED for o in observations):
         ends = [o.completion_time for o in observations if o.completion_time]
-        return Observation("Succeeded", observations[0].reason, "; ".join(o.message for o in observations),
+        return Observation(Phase.SUCCEEDED, observations[0].reason, "; ".join(o.message for o in observations),
                            completion_time=max(ends) if ends else None)
-    running = [o for o in observations if o.phase != "Succeeded"]
-    return running[0] if running else Observation("Pending", "ExportPending", "waiting for the export Job")
+    running = [o for o in observations if o.phase != Phase.SUCCEEDED]
+    return running[0] if running else Observation(Phase.PENDING, "ExportPending", "waiting for the export Job")
 
 
 #: Condition type that is True in each phase (the others become False).
 PHASE_CONDITION = {
-    "Pending": "Running",
-    "Running": "Running",
-    "Suspended": "Suspended",
-    "Exporting": "Exporting",
-    "Succeeded": "Succeeded",
-    "Failed": "Failed",
+    Phase.PENDING: "Running",
+    Phase.RUNNING: "Running",
+    Phase.SUSPENDED: "Suspended",
+    Phase.EXPORTING: "Exporting",
+    Phase.SUCCEEDED: "Succeeded",
+    Phase.FAILED: "Failed",
 }
 
 
@@ -193,7 +189,7 @@ def phase_conditions(
 ) -> list[dict[str, Any]]:
     """Conditions for `phase`: its own condition True (Running is False while Pending), others False."""
     active = PHASE_CONDITION[phase]
-    status = "False" if phase == "Pending" else "True"
+    status = "False" if phase == Phase.PENDING else "True"
     out = set_condition(conditions, active, status, reason, message, generation, now)
     for c in list(out):
         if c["type"] != active and c["type"] in PHASE_CONDITION.values() and c["status"] == "True":
@@ -215,7 +211,7 @@ def status_patch(
         patch["restarts"] = obs.restarts
     if obs.preemptions is not None:
         patch["preemptions"] = obs.preemptions
-    if not current.get("startTime") and (obs.start_time or obs.phase == "Running"):
+    if not current.get("startTime") and (obs.start_time or obs.phase == Phase.RUNNING):
         patch["startTime"] = obs.start_time or now
     if obs.phase in TERMINAL:
         patch["completionTime"] = current.get("completionTime") or obs.completion_time or now
