@@ -22,7 +22,7 @@ from lora_operator.labels import ADC_LABEL, COMPONENT_LABEL, LFT_LABEL, QUEUE_LA
 from lora_operator.failure import TRAINER_CONTAINER, jobset_failure_policy, pod_failure_policy
 from lora_operator.overlay import overlay_pod_template
 from lora_operator.policy import Problems, adapter_conversion_problems, image_problems, lora_finetune_problems
-from lora_operator.scheduling import capacity_placement, topology_annotations
+from lora_operator.scheduling import Placement, capacity_placement, topology_annotations
 from lora_operator.settings import OperatorSettings, SettingsError, load_settings
 from lora_operator.tpu import TPU_RESOURCE, CATALOG, SliceShape, TopologyError, slice_shape
 from lora_trainer.config import dump_train_config, validation_problems
@@ -251,8 +251,35 @@ def render_jobset(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettin
     image = resolve_image(spec.image, settings)
     names = ChildNames.of(owner.name)
     slices = spec.tpu.slices
-    queue = spec.queue_name or settings.default_queue_name
     placement = capacity_placement(spec.tpu.capacity)
+    queue = _trainer_queue(spec, settings, placement)
+    extra = {QUEUE_LABEL: queue} if queue else {}
+    meta = _metadata(owner, names.jobset, "trainer", **extra)
+    meta["annotations"] = {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool", **placement.jobset_annotations}
+    meta["finalizers"] = [TRACKING_FINALIZER]
+    pod_labels = _labels(owner, "trainer")
+    container = _trainer_container(spec, image, names, shape)
+    pod_spec = _trainer_pod_spec(spec, settings, shape, placement, names, container)
+    job_spec = _trainer_job_spec(shape, pod_labels, pod_spec, settings)
+    return {
+        "apiVersion": JOBSET_API,
+        "kind": "JobSet",
+        "metadata": meta,
+        "spec": {
+            "suspend": spec.suspend,
+            "ttlSecondsAfterFinished": settings.job_ttl_seconds_after_finished,
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "failurePolicy": jobset_failure_policy(spec.max_restarts),
+            "replicatedJobs": [
+                {"name": REPLICATED_JOB, "replicas": slices, "template": {"metadata": {"labels": pod_labels}, "spec": job_spec}}
+            ],
+        },
+    }
+
+
+def _trainer_queue(spec: LoraFinetuneSpec, settings: OperatorSettings, placement: Placement) -> str | None:
+    """The Kueue queue of the JobSet; a capacity type provisioned through Kueue requires one."""
+    queue = spec.queue_name or settings.default_queue_name
     if placement.needs_queue and not queue:
         raise InvalidSpec(
             "spec.queueName",
@@ -260,18 +287,17 @@ def render_jobset(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettin
             "Scheduler): set spec.queueName to a LocalQueue whose ClusterQueue has the provisioning admission check "
             "(or ask the platform admin for a defaultQueueName)",
         )
-    extra = {QUEUE_LABEL: queue} if queue else {}
-    meta = _metadata(owner, names.jobset, "trainer", **extra)
-    meta["annotations"] = {EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool", **placement.jobset_annotations}
-    meta["finalizers"] = [TRACKING_FINALIZER]
-    pod_labels = _labels(owner, "trainer")
+    return queue
 
-    container = {
+
+def _trainer_container(spec: LoraFinetuneSpec, image: str, names: ChildNames, shape: SliceShape) -> dict[str, Any]:
+    """The trainer container: `lora-trainer train` on the ConfigMap's config, this host's TPU chips."""
+    return {
         "name": TRAINER_CONTAINER,
         "image": image,
         "command": ["lora-trainer", "train", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
         "env": [
-            *distributed_env(names.jobset, shape, slices),
+            *distributed_env(names.jobset, shape, spec.tpu.slices),
             *_hf_token_env(spec),
             *({"name": e.name, "value": e.value} for e in spec.env),
         ],
@@ -282,6 +308,13 @@ def render_jobset(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettin
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
     }
+
+
+def _trainer_pod_spec(
+    spec: LoraFinetuneSpec, settings: OperatorSettings, shape: SliceShape, placement: Placement, names: ChildNames,
+    container: dict[str, Any],
+) -> dict[str, Any]:
+    """A trainer pod: on the slice's nodes, no API token, the restricted security profile."""
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
@@ -301,31 +334,21 @@ def render_jobset(owner: Owner, spec: LoraFinetuneSpec, settings: OperatorSettin
         pod_spec["serviceAccountName"] = spec.service_account_name
     if spec.priority_class_name:
         pod_spec["priorityClassName"] = spec.priority_class_name
+    return pod_spec
 
+
+def _trainer_job_spec(shape: SliceShape, pod_labels: dict[str, str], pod_spec: dict[str, Any], settings: OperatorSettings) -> dict[str, Any]:
+    """One slice's Indexed Job: a pod per host, the pod failure policy, the admin's overlay."""
     pod_meta: dict[str, Any] = {"labels": pod_labels}
     if tas := topology_annotations(settings.topology_aware_scheduling):
         pod_meta["annotations"] = tas
-    job_spec = {
+    return {
         "parallelism": shape.hosts,
         "completions": shape.hosts,
         "completionMode": "Indexed",
         "backoffLimit": 0,
         "podFailurePolicy": pod_failure_policy(),
         "template": overlay_pod_template({"metadata": pod_meta, "spec": pod_spec}, TRAINER_CONTAINER, settings.pod_template_overlay),
-    }
-    return {
-        "apiVersion": JOBSET_API,
-        "kind": "JobSet",
-        "metadata": meta,
-        "spec": {
-            "suspend": spec.suspend,
-            "ttlSecondsAfterFinished": settings.job_ttl_seconds_after_finished,
-            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-            "failurePolicy": jobset_failure_policy(spec.max_restarts),
-            "replicatedJobs": [
-                {"name": REPLICATED_JOB, "replicas": slices, "template": {"metadata": {"labels": pod_labels}, "spec": job_spec}}
-            ],
-        },
     }
 
 
