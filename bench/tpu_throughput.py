@@ -32,6 +32,7 @@ import functools
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "trainer_image"))
 import report  # noqa: E402  (bench/ is on sys.path when a script here runs)
+from lora_trainer.exit_codes import PREEMPTED  # noqa: E402  (light: no JAX)
 
 SECTION = "## TPU"
 
@@ -146,15 +148,20 @@ def write_checkpoint(shape: str, directory: Path) -> Path:
     return directory
 
 
-def write_dataset(path: Path, rows: int = 4000) -> Path:
-    """Plain text rows of random words (packed into full sequences by the trainer)."""
+def write_dataset(path: Path, rows: int = 12000) -> Path:
+    """Plain text rows of 20-160 random words (about 80-650 tokens), which the trainer packs into full sequences.
+
+    Why this length: packing puts whole rows into a sequence, so rows close to half the sequence
+    leave it half empty (rows of 300 words, about 1,216 tokens, filled 59% of each 2048-token
+    sequence: the padding is computed but not counted as tokens); short rows fill it to ~98%.
+    """
     if not path.exists():
         rng = np.random.default_rng(0)
         words = ["alpha", "beta", "gamma", "delta", "tensor", "chip", "matrix", "adapter", "rank", "token", "layer", "model"]
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as f:
             for _ in range(rows):
-                f.write(json.dumps({"text": " ".join(rng.choice(words, 300))}) + "\n")
+                f.write(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(20, 161))))}) + "\n")
     return path
 
 
@@ -176,10 +183,16 @@ def train_config(case: str, model: Path, data: Path, out: Path, steps: int) -> d
 # --------------------------------------------------------------------------- running
 
 
-def _run(argv: list[str], log: Path, timeout: float) -> dict[str, Any]:
-    """Run a trainer process; time each stdout progress line and the first step's log line from its start."""
+def _run(argv: list[str], log: Path, timeout: float, *, sigterm_after: int | None = None) -> dict[str, Any]:
+    """Run a trainer process; time each stdout progress line and the first step's log line from its start.
+
+    `sigterm_after`: send SIGTERM once the progress line of that step is out, as a preemption
+    would (the trainer saves that step and exits 43), so the restart can resume with the same
+    config, hence the same programs, and hit the persistent compilation cache.
+    """
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    env = {**os.environ, "JAX_LOG_COMPILES": "1"}  # every compile and cache hit, with its time, in the log
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
     lines: list[tuple[float, str]] = []
     assert proc.stdout is not None
     with log.open("w") as f:
@@ -187,6 +200,8 @@ def _run(argv: list[str], log: Path, timeout: float) -> dict[str, Any]:
             lines.append((time.perf_counter() - start, line))
             f.write(line)
             f.flush()
+            if sigterm_after is not None and line.startswith("{") and json.loads(line).get("step") == sigterm_after:
+                proc.send_signal(signal.SIGTERM)
             if time.perf_counter() - start > timeout:
                 proc.kill()
                 break
@@ -194,7 +209,18 @@ def _run(argv: list[str], log: Path, timeout: float) -> dict[str, Any]:
     return {"code": code, "lines": lines, "seconds": time.perf_counter() - start}
 
 
-def _summary(run: dict[str, Any], seq: int) -> dict[str, Any]:
+def _compiles(text: str) -> dict[str, Any]:
+    """JAX's compile log (JAX_LOG_COMPILES): how many programs were compiled, for how long, and cache hits."""
+    done = [(name, float(s)) for name, s in re.findall(r"Finished XLA compilation of (\S+) in ([\d.]+) ?s", text)]
+    return {
+        "compiles": len(done),
+        "compile_seconds": round(sum(s for _, s in done), 1),
+        "slowest": [f"{name} {s:.1f}s" for name, s in sorted(done, key=lambda x: -x[1])[:5]],
+        "cache_hits": len(re.findall(r"[Pp]ersistent compilation cache hit", text)),
+    }
+
+
+def _summary(run: dict[str, Any], case: str) -> dict[str, Any]:
     """What a trainer run's output says: step times, tokens/s, MFU, compile time, memory, checkpoint cost."""
     text = "".join(line for _, line in run["lines"])
     progress = [(t, json.loads(line)) for t, line in run["lines"] if line.startswith("{") and '"step"' in line]
@@ -218,11 +244,15 @@ def _summary(run: dict[str, Any], seq: int) -> dict[str, Any]:
         "tokens_per_second": statistics.median(r["tokensPerSecond"] for r in timed) if timed else None,
         "mfu": _median([r["mfu"] for r in timed if r.get("mfu") is not None]),
     }
+    _, seq, micro, accumulation, _ = CASES[case]
+    if timed:  # counted tokens over computed positions
+        out["fill"] = statistics.median(r["tokensPerSecond"] * r["stepTimeSeconds"] for r in timed) / (micro * accumulation * seq)
+    out.update(_compiles(text))
     if after_save and plain:
         base = statistics.median(plain)
         out["save_extra_seconds"] = statistics.mean(after_save) - base
         out["save_extra_percent_of_interval"] = 100 * (statistics.mean(after_save) - base) / (base * CHECKPOINT_EVERY)
-    if run["code"] != 0:
+    if run["code"] not in (0, PREEMPTED):
         out["tail"] = text[-2000:]
     return out
 
@@ -236,8 +266,8 @@ def _seconds(pattern: str, text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def run_case(case: str, work: Path, timeout: float) -> dict[str, Any]:
-    shape, seq, *_ = CASES[case]
+def run_case(case: str, work: Path, timeout: float, *, restart: bool = True) -> dict[str, Any]:
+    shape, *_ = CASES[case]
     model = write_checkpoint(shape, work / f"model-{shape}")
     data = write_dataset(work / "data.jsonl")
     out = work / f"run-{case}"
@@ -245,14 +275,15 @@ def run_case(case: str, work: Path, timeout: float) -> dict[str, Any]:
     if case.endswith("full-ft"):
         cfg_path.write_text(json.dumps(train_config(case, model, data, out, STEPS)))
         cold = _run([sys.executable, __file__, "--full-ft-worker", str(cfg_path)], work / f"{case}.log", timeout)
-        return {"case": case, "cold": _summary(cold, seq)}
-    cfg_path.write_text(json.dumps(train_config(case, model, data, out, STEPS)))
-    cold = _run([sys.executable, "-m", "lora_trainer.cli", "train", "--config", str(cfg_path)], work / f"{case}.log", timeout)
-    result = {"case": case, "cold": _summary(cold, seq)}
-    if cold["code"] == 0:  # the same run restarted (as after a preemption): resumes, with the compilation cache warm
-        cfg_path.write_text(json.dumps(train_config(case, model, data, out, STEPS + 3)))
-        warm = _run([sys.executable, "-m", "lora_trainer.cli", "train", "--config", str(cfg_path)], work / f"{case}-warm.log", timeout)
-        result["warm"] = _summary(warm, seq)
+        return {"case": case, "cold": _summary(cold, case)}
+    # Preempted (SIGTERM) after STEPS steps, then restarted with the same config: it resumes from
+    # the SIGTERM's checkpoint, with the compilation cache warm.
+    cfg_path.write_text(json.dumps(train_config(case, model, data, out, STEPS + 3)))
+    argv = [sys.executable, "-m", "lora_trainer.cli", "train", "--config", str(cfg_path)]
+    cold = _run(argv, work / f"{case}.log", timeout, sigterm_after=STEPS)
+    result = {"case": case, "cold": _summary(cold, case)}
+    if restart and cold["code"] == PREEMPTED:
+        result["warm"] = _summary(_run(argv, work / f"{case}-warm.log", timeout), case)
     return result
 
 
@@ -412,20 +443,20 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| case | micro-batch x accumulation | step | tokens/s | MFU | compile (cold) | restart to 1st step (warm) | compiled memory | save cost |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| case | micro-batch x accumulation | step | tokens/s | MFU | rows' fill | compile (cold) | restart to 1st step (warm) | compiled memory | save cost |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "case" not in r:
             continue
         _, seq, micro, acc, _ = CASES[r["case"]]
         c, w = r["cold"], r.get("warm") or {}
-        if c["exit"] != 0:
-            rows.append(f"| {r['case']} | {micro} x {acc} | failed (exit {c['exit']}) | | | | | | |")
+        if c["exit"] not in (0, PREEMPTED):
+            rows.append(f"| {r['case']} | {micro} x {acc} | failed (exit {c['exit']}) | | | | | | | |")
             continue
         save = "-" if c.get("save_extra_seconds") is None else f"{c['save_extra_seconds']:.2f} s ({c['save_extra_percent_of_interval']:.1f}% of {CHECKPOINT_EVERY} steps)"
         rows.append(f"| {r['case']} | {micro} x {acc} | {_fmt(c['step_seconds'], '.3f')} s | {_fmt(c['tokens_per_second'], ',.0f')} | "
-                    f"{_fmt(c['mfu'] and 100 * c['mfu'], '.1f')}% | {_fmt(c['first_step'], '.0f')} s | "
-                    f"{_fmt(w.get('start_to_first_step'), '.1f')} s | {c['memory'] or '-'} | {save} |")
+                    f"{_fmt(c['mfu'] and 100 * c['mfu'], '.1f')}% | {_fmt(c.get('fill') and 100 * c['fill'], '.0f')}% | "
+                    f"{_fmt(c['first_step'], '.0f')} s | {_fmt(w.get('start_to_first_step'), '.1f')} s | {c['memory'] or '-'} | {save} |")
     return "\n".join(rows)
 
 
@@ -435,6 +466,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("/tmp/tpu-bench"), help="results.json and the runs' logs")
     p.add_argument("--cases", default="1b-lora,3b-lora,8b-qlora,1b-qlora,1b-full-ft")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per trainer process")
+    p.add_argument("--no-restart", action="store_true", help="skip each case's warm-cache restart")
     p.add_argument("--check", action="store_true", help="first compare the splash kernel with the XLA attention")
     p.add_argument("--write", action="store_true", help="rewrite the TPU section of docs/benchmarks.md")
     p.add_argument("--study", action="store_true", help="first time the step's variants on a 4-layer 1B (STUDY)")
@@ -452,7 +484,7 @@ def main() -> None:
         results.append({"study": study(args.work)})
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     for case in filter(None, args.cases.split(",")):
-        results.append(run_case(case, args.work, args.timeout))
+        results.append(run_case(case, args.work, args.timeout, restart=not args.no_restart))
         print(json.dumps(results[-1], default=str)[:3000], flush=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
         with (args.out / "logs.txt").open("a") as f:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import warnings
 
 import jax
 import numpy as np
@@ -281,3 +282,21 @@ def test_restore_from_an_orbax_adapter(tmp_path):
     for p, ps in adapter.items():
         for n, v in ps.items():
             np.testing.assert_allclose(got[p][n], v, atol=1e-6)
+
+
+def test_qlora_on_the_host_runs_outside_the_runs_mesh() -> None:
+    """QLoRA's dummy forward runs on the host; Tunix's models constrain activations to the legacy
+    `with mesh:` mesh unless its first device is a CPU, so on a TPU the host forward failed with
+    "incompatible devices" (issue 21). Under `_on_host` that mesh is empty and arrays land on the CPU."""
+    from jax.interpreters import pxla
+
+    from lora_trainer.train import _on_host
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tp"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy context Tunix reads
+        with mesh:
+            with _on_host():
+                assert pxla.thread_resources.env.physical_mesh.empty
+                assert {d.platform for d in jax.numpy.ones(2).devices()} == {"cpu"}
+            assert pxla.thread_resources.env.physical_mesh == mesh

@@ -24,8 +24,13 @@ from lora_trainer.config import CompilationCacheSpec
 
 log = logging.getLogger(__name__)
 
-#: Programs that compile faster than this are not worth a cache entry (JAX's own default is 1 s).
+#: Programs that compile faster than this are not worth a cache entry in a remote location (gs://,
+#: a round trip each): JAX's own default.
 MIN_COMPILE_SECONDS = 1.0
+#: On local disk a read costs microseconds, so the many small programs of a start are kept too:
+#: on a v5e chip, applying LoRA (Qwix's dummy forward, op by op) compiled ~170 of them, 0.1-0.5 s
+#: each, in every restart (issue 21).
+MIN_LOCAL_COMPILE_SECONDS = 0.1
 
 
 def location(spec: CompilationCacheSpec, output_uri: str) -> str | None:
@@ -44,7 +49,7 @@ def persistent(path: str | None) -> Iterator[None]:
     if path == before[0]:
         yield
         return
-    _use(path, MIN_COMPILE_SECONDS)
+    _use(path, MIN_COMPILE_SECONDS if path is None or storage.is_gcs(path) else min(MIN_COMPILE_SECONDS, MIN_LOCAL_COMPILE_SECONDS))
     if path:
         log.info("compiled programs are cached in %s", path)
     try:

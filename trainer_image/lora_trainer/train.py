@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from flax import nnx
 
 from lora_trainer import checkpoint, compile_cache, data, distributed, host_memory, schedule, storage, tunix_trainer
 from lora_trainer import metrics as mfu_metrics
+from lora_trainer.async_saves import AsyncSaves
 from lora_trainer.config import TrainConfig, TrainingSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora, lora_state, resolve_target_regex, set_lora_state
@@ -214,6 +215,19 @@ def run_training(cfg: TrainConfig, *, on_progress: ProgressCallback | None = Non
             return _Run(cfg, mesh, stop, on_progress).run()
 
 
+@contextlib.contextmanager
+def _on_host() -> Iterator[None]:
+    """Compute on this process's CPU, outside the run's mesh.
+
+    Tunix's models constrain activations to the legacy `with mesh:` mesh unless its first device is
+    a CPU; on an accelerator that mesh holds no CPU device, so QLoRA's dummy forward on the host
+    failed there with "incompatible devices" (found on a v5e chip, issue 21; a CPU run never
+    constrains). An empty mesh is entered for the duration instead.
+    """
+    with jax.default_device(host_device()), jax.sharding.Mesh(np.empty((), dtype=object), ()):
+        yield
+
+
 @dataclasses.dataclass
 class _Data:
     """The run's batches: the training stream, the eval set and the padded length of a training row."""
@@ -221,62 +235,6 @@ class _Data:
     stream: data.BatchStream
     eval_batches: list[dict[str, np.ndarray]] | None
     seq_len: int
-
-
-class _Saves:
-    """The run's checkpoints, saved without stopping training: a save copies the state on the
-    devices and returns; Orbax writes and commits it in the background while the next steps run.
-
-    Why: waiting for each commit stalled the loop 2.5-4.3 s per checkpoint on a v5e chip (issue 21).
-    Only committed checkpoints are reported (`committed`, progress.json's lastCheckpoint), as
-    before; `finish` (the last step, SIGTERM, Ctrl-C) saves and waits for the commit, so a
-    stopped run still leaves its final step committed.
-    """
-
-    def __init__(self, root: str, store: checkpoint.TrainingCheckpoints, sink: ProgressSink,
-                 trainer: tunix_trainer.LoraPeftTrainer, stream: data.BatchStream, metadata: dict[str, Any], step: int) -> None:
-        self.root, self.store, self.sink, self.trainer, self.stream, self.metadata = root, store, sink, trainer, stream, metadata
-        self.started = step  # the newest step saved (or resumed from)
-        self.committed = checkpoint.step_uri(root, step) if step else None
-        self._pending: int | None = None
-
-    def start(self, step: int) -> None:
-        """Begin saving `step`. Copies of the arrays are handed to Orbax: the next step donates the model's own.
-
-        Metrics and TensorBoard up to `step` are made durable first, not when the commit is seen: the
-        commit lands in the background, and a run that dies after it but before its next look would
-        otherwise resume past metrics lines never written (a resume drops lines beyond its step).
-        """
-        self.sink.flush()
-        copy = functools.partial(jax.tree.map, lambda x: x.copy() if isinstance(x, jax.Array) else x)
-        previous = self._pending
-        # Orbax first waits for the previous save to commit (raising its error), then copies and returns.
-        self.store.save(step, lora=copy(lora_state(self.trainer.model)), optimizer=copy(tunix_trainer.optimizer_state(self.trainer)),
-                        data=self.stream.state(), metadata=self.metadata)
-        self.started, self._pending = step, step
-        if previous is not None:
-            self._announce(previous)
-
-    def poll(self) -> None:
-        """Announce the save in flight if it has committed since (raising a storage fault if it failed)."""
-        if self._pending is not None and not self.store.saving():
-            self.store.wait()  # returns at once: raises the error of a save that failed in the background
-            self._announce(self._pending)
-
-    def finish(self, step: int) -> None:
-        """Save `step` unless it is saved already, and wait until every save has committed."""
-        if self.started != step:
-            self.start(step)
-        if self._pending is not None:
-            self.store.wait()
-            self._announce(self._pending)
-
-    def _announce(self, step: int) -> None:
-        """Checkpoint `step` has committed: progress.json names it."""
-        if self._pending == step:
-            self._pending = None
-        self.committed = checkpoint.step_uri(self.root, step)
-        self.sink.checkpointed(self.committed)
 
 
 class _Run:
@@ -394,7 +352,7 @@ class _Run:
         moved onto the mesh."""
         cfg, quant = self.cfg, self.cfg.lora.quantization
         start = time.perf_counter()
-        with jax.default_device(host_device()) if quant else contextlib.nullcontext():
+        with _on_host() if quant else contextlib.nullcontext():
             applied = apply_lora(loaded.model, cfg.lora, loaded.family, seed=cfg.training.seed, batch_shape=(1, 8))
         loaded.model = applied.model
         if quant:
@@ -445,39 +403,39 @@ class _Run:
         lr = schedule.learning_rate_schedule(t)
         flops_per_token = _flops_per_token(trainer.model, hf_config, batches.seq_len)
         mfu = functools.partial(mfu_metrics.mfu, flops_per_token=flops_per_token, device_kinds=[d.device_kind for d in jax.devices()])
-        saves = _Saves(self.root, store, sink, trainer, batches.stream, self.metadata, step)
-        loss = eval_loss = None
-        # The first step in a process compiles the train step (seconds to minutes): it stays out of
-        # the timed interval, or the first line's tokens/s and ETA were off by that much.
-        timer, timed_steps, untimed_tokens, compiled = IntervalTimer(time.perf_counter), 0, 0, False
-        eval_seconds = 0.0  # the last eval pass's duration, for the ETA (unknown, 0, until one ran)
+        with AsyncSaves(self.root, store, sink, trainer, batches.stream, self.metadata, step) as saves:
+            loss = eval_loss = None
+            # The first step in a process compiles the train step (seconds to minutes): it stays out of
+            # the timed interval, or the first line's tokens/s and ETA were off by that much.
+            timer, timed_steps, untimed_tokens, compiled = IntervalTimer(time.perf_counter), 0, 0, False
+            eval_seconds = 0.0  # the last eval pass's duration, for the ETA (unknown, 0, until one ran)
 
-        while step < t.steps:
-            if self.stop.requested():
-                saves.finish(step)
-                raise self.stop.error(step, self.root)
-            micro_batches = [tunix_trainer.on_mesh(next(batches.stream), self.mesh) for _ in range(t.gradient_accumulation)]
-            if compiled:
-                trainer.train(micro_batches)
-                timed_steps += 1
-            else:
+            while step < t.steps:
+                if self.stop.requested():
+                    saves.finish(step)
+                    raise self.stop.error(step, self.root)
+                micro_batches = [tunix_trainer.on_mesh(next(batches.stream), self.mesh) for _ in range(t.gradient_accumulation)]
+                saves.poll()  # a save's handoff runs while the step below computes
+                if compiled:
+                    trainer.train(micro_batches)
+                    timed_steps += 1
+                else:
+                    with timer.paused():
+                        untimed_tokens = self._first_step(trainer, micro_batches, step)
+                    compiled = True
+                step += 1
+                if step % t.log_every == 0 or step == t.steps:
+                    loss = self._emit_interval(trainer, sink, step, timer, timed_steps, untimed_tokens, lr=lr, mfu=mfu,
+                                               last_checkpoint=saves.committed, eval_seconds=eval_seconds)
+                    timed_steps, untimed_tokens = 0, 0
                 with timer.paused():
-                    untimed_tokens = self._first_step(trainer, micro_batches, step)
-                compiled = True
-            step += 1
-            saves.poll()
-            if step % t.log_every == 0 or step == t.steps:
-                loss = self._emit_interval(trainer, sink, step, timer, timed_steps, untimed_tokens, lr=lr, mfu=mfu,
-                                           last_checkpoint=saves.committed, eval_seconds=eval_seconds)
-                timed_steps, untimed_tokens = 0, 0
-            with timer.paused():
-                # After a SIGTERM the checkpoint comes first: an eval pass could outlast the grace period.
-                due = evals_due(step - 1, t) > evals_due(step, t)  # a pass runs at this step
-                if batches.eval_batches and due and not self.stop.requested():
-                    eval_loss, eval_seconds = self._eval_pass(trainer, batches, sink, step, first=not eval_seconds)
-                if step % t.checkpoint_every == 0 and step < t.steps:
-                    saves.start(step)
-        saves.finish(step)
+                    # After a SIGTERM the checkpoint comes first: an eval pass could outlast the grace period.
+                    due = evals_due(step - 1, t) > evals_due(step, t)  # a pass runs at this step
+                    if batches.eval_batches and due and not self.stop.requested():
+                        eval_loss, eval_seconds = self._eval_pass(trainer, batches, sink, step, first=not eval_seconds)
+                    if step % t.checkpoint_every == 0 and step < t.steps:
+                        saves.start(step)
+            saves.finish(step)
         return self._result(step, final_loss=loss, eval_loss=eval_loss)
 
     def _emit_interval(
