@@ -31,7 +31,7 @@ def test_round_trip_through_the_configmap_format(tmp_path):
         ({"lora": {"quantization": {"weightQtype": "nf4", "tileSize": 48}}}, "lora.quantization.tileSize"),
         ({"output": {"uri": "hf://org/model"}}, "output.uri"),
         ({"model": {"source": "s3://bucket/model"}}, "model.source"),
-        ({"training": {"globalBatchSize": 6, "gradientAccumulation": 4}}, "training.globalBatchSize (6) must be divisible by training.gradientAccumulation"),
+        ({"training": {"globalBatchSize": 6, "gradientAccumulation": 4}}, "training.globalBatchSize: globalBatchSize must be divisible by gradientAccumulation"),
         ({"training": {"evalEvery": 10}}, "training.evalEvery is set but dataset.eval is empty"),
         ({"lora": {"rnak": 8}}, "lora.rnak"),
         ({"training": {"seed": -1}}, "training.seed"),

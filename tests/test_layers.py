@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, set[str]]] = [
                        "lora_trainer.compile_cache", "lora_trainer.metrics", "lora_trainer.host_memory",
                        "lora_trainer.tiny_models", "lora_trainer.accumulating_dot", "lora_trainer.cross_entropy"}),
     ("trainer config", {"lora_trainer.config", "lora_trainer.storage", "lora_trainer.storage_faults", "lora_trainer.progress_record"}),
-    ("leaves", {"lora_trainer.errors", "lora_trainer.exit_codes", "lora_trainer"}),
+    ("leaves", {"lora_trainer.errors", "lora_trainer.exit_codes", "lora_trainer.rules", "lora_trainer"}),
 ]
 #: Operator modules that may import the trainer above its config layer (lazily: see LAYERS).
 TRAINER_BRIDGES = {"lora_operator.cli", "lora_operator.local"}

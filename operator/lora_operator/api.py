@@ -12,10 +12,9 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field
 
 from lora_trainer.config import (
-    OUTPUT_URI_PATTERN,
     ApiModel,
     DatasetSpec,
     Family,
@@ -26,8 +25,9 @@ from lora_trainer.config import (
     TrainConfig,
     TrainingSpec,
 )
+from lora_trainer.rules import Rule
 from lora_operator.images import IMAGE_PATTERN, MAX_IMAGE
-from lora_operator.tpu import CATALOG
+from lora_operator.tpu import CATALOG, TpuGeneration
 
 GROUP = "lora-operator.dev"
 VERSION = "v1alpha1"
@@ -127,16 +127,24 @@ class CapacitySpec(ApiModel):
     flex_start: FlexStartSpec | None = None
     """Flex-start settings; only when `type` is flexStart (default: the longest run duration)."""
 
-    @model_validator(mode="after")
-    def _settings_match_type(self) -> CapacitySpec:
-        if (self.type == "reservation") != (self.reservation is not None):
-            raise ValueError(
-                "spec.tpu.capacity.reservation names the reservation to use: set it (with type: reservation) "
-                "exactly when type is reservation"
-            )
-        if self.flex_start is not None and self.type != "flexStart":
-            raise ValueError("spec.tpu.capacity.flexStart only applies to type: flexStart; drop it or set the type")
-        return self
+    __rules__ = (
+        Rule("reservation", "(self.type == 'reservation') == has(self.reservation)",
+             lambda c: (c.type == "reservation") == (c.reservation is not None),
+             "reservation names the reservation to use: set it exactly when type is reservation"),
+        Rule("flexStart", "!has(self.flexStart) || self.type == 'flexStart'",
+             lambda c: c.flex_start is None or c.type == "flexStart",
+             "flexStart only applies to type: flexStart; drop it or set the type"),
+    )
+
+
+def _offered_topology(tpu: TpuGeneration) -> Rule:
+    """The topologies GKE offers for one TPU type (a rule per type: CEL has no map of lists to index)."""
+    return Rule(
+        "topology",
+        f"!has(self.type) || !has(self.topology) || self.type != '{tpu.name}' || self.topology in {list(tpu.topologies)}",
+        lambda s: s.type != tpu.name or s.topology is None or s.topology in tpu.topologies,
+        f"topology is not offered by GKE for {tpu.name}; use one of {', '.join(tpu.topologies)}",
+    )
 
 
 class TpuSpec(ApiModel):
@@ -149,14 +157,7 @@ class TpuSpec(ApiModel):
     capacity: CapacitySpec = Field(default_factory=CapacitySpec)
     """Capacity kind of the TPU nodes: on-demand, spot, a reservation or flex-start."""
 
-    @model_validator(mode="after")
-    def _topology_offered(self) -> TpuSpec:
-        if self.type is not None and self.topology is not None and self.topology not in CATALOG[self.type].topologies:
-            raise ValueError(
-                f"spec.tpu.topology {self.topology!r} is not offered by GKE for {self.type}; "
-                f"use one of {', '.join(CATALOG[self.type].topologies)}"
-            )
-        return self
+    __rules__ = tuple(_offered_topology(t) for t in CATALOG.values())
 
 
 class ResourceList(ApiModel):
@@ -180,12 +181,10 @@ class EnvVar(ApiModel):
     value: Annotated[str, Field(max_length=4096)] = ""
     """Literal value. Secrets are passed by reference only (hfTokenSecretRef), never as env values."""
 
-    @field_validator("name")
-    @classmethod
-    def _not_reserved(cls, v: str) -> str:
-        if re.match(RESERVED_ENV_PATTERN, v):
-            raise ValueError(f"env name {v!r} is reserved: {RESERVED_ENV_MESSAGE}")
-        return v
+    __rules__ = (
+        Rule("name", f"!self.name.matches('{RESERVED_ENV_PATTERN}')", lambda e: not re.match(RESERVED_ENV_PATTERN, e.name),
+             f"name is reserved: {RESERVED_ENV_MESSAGE}"),
+    )
 
 
 class SecretKeyRef(ApiModel):
@@ -338,6 +337,17 @@ def as_directory(uri: str) -> str:
     return uri if uri.endswith("/") else uri + "/"
 
 
+def _cel_as_directory(uri: str) -> str:
+    """`as_directory` in CEL, for the CRD's copy of a rule."""
+    return f"({uri}.endsWith('/') ? {uri} : {uri} + '/')"
+
+
+def _apart(source: str, target: str) -> bool:
+    """Neither directory is the other or inside it."""
+    source, target = as_directory(source), as_directory(target)
+    return not target.startswith(source) and not source.startswith(target)
+
+
 class AdapterConversionSpec(ApiModel):
     """Convert a LoRA adapter between HF PEFT and Orbax, optionally merging it into the base model."""
 
@@ -356,25 +366,21 @@ class AdapterConversionSpec(ApiModel):
     resources: Resources | None = None
     """CPU/memory requests and limits of the conversion pod."""
 
-    @field_validator("target")
-    @classmethod
-    def _target_writable(cls, v: AdapterEndpoint) -> AdapterEndpoint:
-        if not re.match(OUTPUT_URI_PATTERN, v.uri):
-            raise ValueError("target.uri must be a local path or gs:// URI (hf:// is read-only)")
-        return v
-
-    @model_validator(mode="after")
-    def _a_conversion(self) -> AdapterConversionSpec:
-        if self.merged and self.target.format != "hf-peft":
-            raise ValueError("merged: true writes an HF model, so target.format must be hf-peft")
-        if self.source.format == self.target.format:
-            raise ValueError(f"source.format and target.format are both {self.source.format}: nothing to convert; "
-                             "set target.format to the other format")
-        source, target = as_directory(self.source.uri), as_directory(self.target.uri)
-        if target.startswith(source) or source.startswith(target):
-            raise ValueError(f"target.uri {self.target.uri!r} and source.uri {self.source.uri!r} overlap: the conversion "
-                             "replaces its target directory whole; write to a directory outside the source")
-        return self
+    __rules__ = (
+        Rule("target.uri", "!self.target.uri.startsWith('hf://')", lambda s: not s.target.uri.startswith("hf://"),
+             "target.uri: hf:// is read-only; write to gs://BUCKET/... or a path"),
+        Rule("merged", "!has(self.merged) || !self.merged || self.target.format == 'hf-peft'",
+             lambda s: not s.merged or s.target.format == "hf-peft",
+             "merged writes an HF model: set target.format to hf-peft or drop merged"),
+        Rule("target.format", "self.source.format != self.target.format", lambda s: s.source.format != s.target.format,
+             "target.format is source.format: nothing to convert; set target.format to the other format"),
+        Rule("target.uri",
+             f"!{_cel_as_directory('self.target.uri')}.startsWith({_cel_as_directory('self.source.uri')}) && "
+             f"!{_cel_as_directory('self.source.uri')}.startsWith({_cel_as_directory('self.target.uri')})",
+             lambda s: _apart(s.source.uri, s.target.uri),
+             "target.uri overlaps source.uri (the same directory, or one inside the other): the conversion replaces its "
+             "target directory whole; write to a directory outside the source"),
+    )
 
 
 class AdapterConversionStatus(ApiModel):

@@ -16,13 +16,14 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from lora_trainer.errors import UserError
+from lora_trainer.rules import Rule, enforce_rules
 
 #: One path segment of a gs:// or hf:// URI: anything but `.`, `..` and the empty segment (`//`),
 #: which a client resolves or collapses so that the object read or written is not the one named.
@@ -51,6 +52,8 @@ MAX_STEPS, MAX_BATCH, MAX_DEVICES = 10_000_000, 65_536, 65_536
 InputUri = Annotated[str, Field(pattern=URI_PATTERN, min_length=1, max_length=MAX_URI)]
 OutputUri = Annotated[str, Field(pattern=OUTPUT_URI_PATTERN, min_length=1, max_length=MAX_URI)]
 FieldName = Annotated[str, Field(min_length=1, max_length=MAX_FIELD_NAME)]
+#: The powers of two a quantization tile may be, listed (CEL has no bitwise operators).
+TILE_SIZES = [2**i for i in range(13)]
 
 
 
@@ -80,6 +83,8 @@ class ApiModel(BaseModel):
         use_attribute_docstrings=True,
         validate_default=True,
     )
+    #: The model's cross-field rules (see `lora_trainer.rules`); a subclass adds to its bases' rules.
+    __rules__: ClassVar[tuple[Rule, ...]] = ()
 
     @field_validator("*", mode="before")
     @classmethod
@@ -94,6 +99,13 @@ class ApiModel(BaseModel):
         if bool in types and types <= {bool, type(None)} and value is not None and not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _declared_rules_hold(self) -> Self:
+        """Every model runs its declared rules here, the one validator for all of them; the CRD
+        carries the same rules as CEL."""
+        enforce_rules(self)
+        return self
 
     def to_wire(self) -> dict[str, Any]:
         """The object as it appears in YAML/JSON: camelCase, defaults included, None dropped."""
@@ -136,12 +148,11 @@ class QuantizationSpec(ApiModel):
     tile_size: Annotated[int, Field(ge=1, le=4096)] | None = None
     """Quantization tile along the contracting axis; a power of two that divides it for every targeted weight: the input dimension, or head_dim for the attention output projection (it contracts over heads x head_dim)."""
 
-    @field_validator("tile_size")
-    @classmethod
-    def _power_of_two(cls, v: int | None) -> int | None:
-        if v is not None and v & (v - 1):
-            raise ValueError(f"tileSize must be a power of two, got {v}")
-        return v
+    __rules__ = (
+        Rule("tileSize", f"!has(self.tileSize) || self.tileSize in {TILE_SIZES}",
+             lambda q: q.tile_size is None or q.tile_size in TILE_SIZES,
+             "tileSize must be a power of two (e.g. 32, 64, 128)"),
+    )
 
 
 class LoraSpec(ApiModel):
@@ -157,6 +168,9 @@ class LoraSpec(ApiModel):
     """QLoRA: quantize the targeted base weights."""
     restore_from: InputUri | None = None
     """Start from an existing adapter: an Orbax LoRA checkpoint directory or an HF PEFT adapter directory."""
+
+    # The bound (ge=1) refuses 0 first in pydantic; the API server reports the rule's hint as well.
+    __rules__ = (Rule("rank", "self.rank > 0", lambda lora: lora.rank > 0, "rank must be > 0 (e.g. 8 or 16)"),)
 
     @field_validator("target_modules")
     @classmethod
@@ -217,14 +231,11 @@ class TrainingSpec(ApiModel):
     compilation_cache: CompilationCacheSpec = Field(default_factory=CompilationCacheSpec)
     """Persistent JAX compilation cache."""
 
-    @model_validator(mode="after")
-    def _accumulation_divides_batch(self) -> TrainingSpec:
-        if self.global_batch_size % self.gradient_accumulation:
-            raise ValueError(
-                f"training.globalBatchSize ({self.global_batch_size}) must be divisible by "
-                f"training.gradientAccumulation ({self.gradient_accumulation})"
-            )
-        return self
+    __rules__ = (
+        Rule("globalBatchSize", "self.globalBatchSize % self.gradientAccumulation == 0",
+             lambda t: t.global_batch_size % t.gradient_accumulation == 0,
+             "globalBatchSize must be divisible by gradientAccumulation"),
+    )
 
 
 class ExportSpec(ApiModel):
@@ -239,6 +250,12 @@ class OutputSpec(ApiModel):
     """Where checkpoints (uri/checkpoints/<step>), metrics and the exported adapter (uri/hf-adapter) go."""
     export: ExportSpec = Field(default_factory=ExportSpec)
     """What the post-training export produces."""
+
+    # The URI's pattern refuses hf:// first in pydantic; the API server reports the rule's reason as well.
+    __rules__ = (
+        Rule("uri", "!self.uri.startsWith('hf://')", lambda out: not out.uri.startswith("hf://"),
+             "uri: hf:// is read-only; write to gs://BUCKET/... or a path"),
+    )
 
 
 class TrainConfig(ApiModel):
@@ -255,11 +272,11 @@ class TrainConfig(ApiModel):
     output: OutputSpec
     """Where results go."""
 
-    @model_validator(mode="after")
-    def _eval_needs_data(self) -> TrainConfig:
-        if self.training.eval_every is not None and self.dataset.eval is None:
-            raise ValueError("training.evalEvery is set but dataset.eval is empty: add dataset.eval or drop evalEvery")
-        return self
+    __rules__ = (
+        Rule("training.evalEvery", "!(has(self.training) && has(self.training.evalEvery)) || has(self.dataset.eval)",
+             lambda c: c.training.eval_every is None or c.dataset.eval is not None,
+             "training.evalEvery is set but dataset.eval is empty: add dataset.eval or drop evalEvery"),
+    )
 
 
 def field_names() -> list[str]:
