@@ -5,23 +5,24 @@ Pydantic's JSON Schema is turned into a Kubernetes *structural* schema: `$ref`s 
 rewritten to OpenAPI v3.0 booleans, titles and `additionalProperties: false` dropped (the API
 server prunes unknown fields instead), object/list defaults from `default_factory` emitted as
 `{}`/`[]` so the API server fills the nested defaults. Cross-field checks that JSON Schema
-cannot express become CEL rules (`x-kubernetes-validations`).
+cannot express are the models' declared rules (`lora_trainer.rules`): each becomes a CEL rule
+(`x-kubernetes-validations`) at the schema node of the model that declares it. Only what the
+models have no notion of is written here: a spec's immutability and `env` as a list-map.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel
 
+from lora_trainer.rules import declared_rules
 from lora_operator.api import (
     GROUP,
-    RESERVED_ENV_MESSAGE,
-    RESERVED_ENV_PATTERN,
     VERSION,
     AdapterConversionSpec,
     AdapterConversionStatus,
@@ -29,12 +30,8 @@ from lora_operator.api import (
     LoraFinetuneStatus,
 )
 from lora_operator.generated import write_or_check
-from lora_operator.tpu import CATALOG
 
 Schema = dict[str, Any]
-
-#: Powers of two a quantization tile may be (CEL has no bitwise operators).
-TILE_SIZES = [2**i for i in range(13)]
 
 IMMUTABLE_MESSAGE = (
     "spec is immutable once the LoraFinetune exists, except spec.suspend; "
@@ -84,36 +81,53 @@ def _structural(node: Schema) -> Schema:
     return node
 
 
-def _add_factory_defaults(model: type[BaseModel], schema: Schema) -> None:
-    """Give fields with a `default_factory` a `{}`/`[]` default so nested defaults apply server-side."""
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _nested_models(model: type[BaseModel], schema: Schema) -> Iterator[tuple[type[BaseModel], Schema]]:
+    """Each field of `model` that holds a model (`X`, `X | None`, `list[X]`), with that model's
+    schema node: the field's own, or its `items` for a list."""
     for name, field in model.model_fields.items():
         prop = schema["properties"].get(field.alias or name)
         if prop is None:
             continue
-        if field.default_factory is not None:
-            value = field.default_factory()
-            prop["default"] = [] if isinstance(value, list) else {}
-        sub = field.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel) and prop.get("type") == "object":
-            _add_factory_defaults(sub, prop)
-        # Optional sub-models (X | None) have their own factories one level down.
-        for arg in getattr(sub, "__args__", ()):
-            if isinstance(arg, type) and issubclass(arg, BaseModel) and "properties" in prop:
-                _add_factory_defaults(arg, prop)
-        if prop.get("type") == "array" and "properties" in prop.get("items", {}):
-            item_type = next(
-                (a for a in getattr(sub, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)), None
-            )
-            if item_type is not None:
-                _add_factory_defaults(item_type, prop["items"])
+        node = prop.get("items", {}) if prop.get("type") == "array" else prop
+        if "properties" not in node:
+            continue
+        annotation = field.annotation
+        for sub in (annotation,) if _is_model(annotation) else getattr(annotation, "__args__", ()):
+            if _is_model(sub):
+                yield sub, node
+
+
+def _add_factory_defaults(model: type[BaseModel], schema: Schema) -> None:
+    """Give fields with a `default_factory` a `{}`/`[]` default so nested defaults apply server-side."""
+    for name, field in model.model_fields.items():
+        prop = schema["properties"].get(field.alias or name)
+        if prop is not None and field.default_factory is not None:
+            prop["default"] = [] if isinstance(field.default_factory(), list) else {}
+    for sub, node in _nested_models(model, schema):
+        _add_factory_defaults(sub, node)
+
+
+def _add_declared_rules(model: type[BaseModel], schema: Schema) -> None:
+    """Each model's declared rules as CEL at its own node, so `self` in a rule is that model's object."""
+    rules = [_rule(r.cel, r.message, f".{r.field}") for r in declared_rules(model)]
+    if rules:
+        schema.setdefault("x-kubernetes-validations", []).extend(rules)
+    for sub, node in _nested_models(model, schema):
+        _add_declared_rules(sub, node)
 
 
 def model_schema(model: type[BaseModel]) -> Schema:
-    """The structural OpenAPI schema of a pydantic model, with defaults, bounds, enums and docs."""
+    """The structural OpenAPI schema of a pydantic model, with defaults, bounds, enums, docs and the
+    models' cross-field rules."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
     schema = _structural(_deref(raw, defs))
     _add_factory_defaults(model, schema)
+    _add_declared_rules(model, schema)
     return schema
 
 
@@ -143,93 +157,24 @@ def _freeze_fields(props: Schema, mutable: set[str], path: str) -> None:
             )
 
 
-def _lora_finetune_rules(spec: Schema) -> None:
-    """Attach the cross-field CEL rules of a LoraFinetune spec."""
+def _lora_finetune_structure(spec: Schema) -> None:
+    """What the models do not declare: `env` as a map keyed by name (one entry per name, so no
+    duplicate overrides another), and the spec immutable except `suspend`."""
     p = spec["properties"]
-    tpu = p["tpu"]
-    tpu["x-kubernetes-validations"] = [
-        _rule(
-            f"!has(self.type) || !has(self.topology) || self.type != '{t.name}' || self.topology in {list(t.topologies)}",
-            f"spec.tpu.topology is not offered by GKE for {t.name}; use one of {', '.join(t.topologies)}",
-            ".topology",
-        )
-        for t in CATALOG.values()
-    ]
-    tpu["properties"]["capacity"]["x-kubernetes-validations"] = [
-        _rule("(self.type == 'reservation') == has(self.reservation)",
-              "spec.tpu.capacity.reservation names the reservation to use: set it exactly when type is reservation", ".reservation"),
-        _rule("!has(self.flexStart) || self.type == 'flexStart'",
-              "spec.tpu.capacity.flexStart only applies to type: flexStart; drop it or set the type", ".flexStart"),
-    ]
-    lora = p["lora"]
-    lora["x-kubernetes-validations"] = [_rule("self.rank > 0", "spec.lora.rank must be > 0 (e.g. 8 or 16)", ".rank")]
-    lora["properties"]["quantization"]["x-kubernetes-validations"] = [
-        _rule(
-            f"!has(self.tileSize) || self.tileSize in {TILE_SIZES}",
-            "spec.lora.quantization.tileSize must be a power of two (e.g. 32, 64, 128)",
-            ".tileSize",
-        )
-    ]
-    p["training"]["x-kubernetes-validations"] = [
-        _rule(
-            "self.globalBatchSize % self.gradientAccumulation == 0",
-            "spec.training.globalBatchSize must be divisible by spec.training.gradientAccumulation",
-            ".globalBatchSize",
-        )
-    ]
-    p["output"]["x-kubernetes-validations"] = [
-        _rule("!self.uri.startsWith('hf://')", "spec.output.uri: hf:// is read-only; write to gs://BUCKET/... or a path", ".uri")
-    ]
-    p["env"]["items"]["x-kubernetes-validations"] = [
-        _rule(f"!self.name.matches('{RESERVED_ENV_PATTERN}')", f"spec.env[].name is reserved: {RESERVED_ENV_MESSAGE}", ".name")
-    ]
     p["env"]["x-kubernetes-list-type"] = "map"
     p["env"]["x-kubernetes-list-map-keys"] = ["name"]
-    spec["x-kubernetes-validations"] = [
-        _rule(
-            "!(has(self.training) && has(self.training.evalEvery)) || has(self.dataset.eval)",
-            "spec.training.evalEvery needs spec.dataset.eval: add an eval dataset or drop evalEvery",
-            ".training.evalEvery",
-        ),
-        _rule(_immutable_except(p, {"suspend"}), IMMUTABLE_MESSAGE, reason="FieldValueForbidden"),
-    ]
+    spec.setdefault("x-kubernetes-validations", []).append(
+        _rule(_immutable_except(p, {"suspend"}), IMMUTABLE_MESSAGE, reason="FieldValueForbidden")
+    )
     _freeze_fields(p, {"suspend"}, "spec")
 
 
-def _as_directory(uri: str) -> str:
-    """CEL for `api.as_directory`: the URI with one trailing `/`."""
-    return f"({uri}.endsWith('/') ? {uri} : {uri} + '/')"
-
-
-def _adapter_conversion_rules(spec: Schema) -> None:
-    p = spec["properties"]
-    p["target"]["x-kubernetes-validations"] = [
-        _rule("!self.uri.startsWith('hf://')", "spec.target.uri: hf:// is read-only; write to gs://BUCKET/... or a path", ".uri")
-    ]
-    spec["x-kubernetes-validations"] = [
-        _rule(
-            "!has(self.merged) || !self.merged || self.target.format == 'hf-peft'",
-            "spec.merged writes an HF model: set spec.target.format to hf-peft or drop merged",
-            ".merged",
-        ),
-        _rule(
-            "self.source.format != self.target.format",
-            "spec.target.format is spec.source.format: nothing to convert; set spec.target.format to the other format",
-            ".target.format",
-        ),
-        _rule(
-            f"!{_as_directory('self.target.uri')}.startsWith({_as_directory('self.source.uri')}) && "
-            f"!{_as_directory('self.source.uri')}.startsWith({_as_directory('self.target.uri')})",
-            "spec.target.uri overlaps spec.source.uri (the same directory, or one inside the other): the conversion "
-            "replaces its target directory whole; write to a directory outside the source",
-            ".target.uri",
-        ),
-        _rule(
-            "self == oldSelf",
-            "spec is immutable once the AdapterConversion exists; create a new one instead",
-            reason="FieldValueForbidden",
-        ),
-    ]
+def _adapter_conversion_structure(spec: Schema) -> None:
+    """The spec is immutable: a conversion runs once."""
+    spec.setdefault("x-kubernetes-validations", []).append(_rule(
+        "self == oldSelf", "spec is immutable once the AdapterConversion exists; create a new one instead",
+        reason="FieldValueForbidden",
+    ))
 
 
 def _status_schema(model: type[BaseModel]) -> Schema:
@@ -296,7 +241,7 @@ def _col(name: str, path: str, typ: str = "string", priority: int = 0, descripti
 def lora_finetune_crd() -> Schema:
     """The LoraFinetune CRD as a dict."""
     spec = model_schema(LoraFinetuneSpec)
-    _lora_finetune_rules(spec)
+    _lora_finetune_structure(spec)
     columns = [
         _col("Phase", ".status.phase"),
         _col("TPU", ".status.tpu", description="type, topology and slices, e.g. v5p 2x2x2 x2"),
@@ -315,7 +260,7 @@ def lora_finetune_crd() -> Schema:
 def adapter_conversion_crd() -> Schema:
     """The AdapterConversion CRD as a dict."""
     spec = model_schema(AdapterConversionSpec)
-    _adapter_conversion_rules(spec)
+    _adapter_conversion_structure(spec)
     columns = [
         _col("Phase", ".status.phase"),
         _col("From", ".spec.source.format"),
