@@ -81,18 +81,27 @@ def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
     return obj
 
 
+@cache
+def _program(rule: str) -> Any:
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def cel_holds(rule: str, new: Any, old: Any = None) -> bool:
+    """Evaluate one CEL rule with `self` (and, for a transition rule, `oldSelf`) bound to JSON values."""
+    activation = {"self": celpy.json_to_cel(new)}
+    if old is not None:
+        activation["oldSelf"] = celpy.json_to_cel(old)
+    return bool(_program(rule).evaluate(activation))
+
+
 def _cel_errors(schema: dict[str, Any], new: Any, old: Any, path: str) -> list[str]:
     errors: list[str] = []
-    env = celpy.Environment()
     for rule in schema.get("x-kubernetes-validations", []):
         transition = "oldSelf" in rule["rule"]
         if transition and old is None:
             continue
-        activation = {"self": celpy.json_to_cel(new)}
-        if transition:
-            activation["oldSelf"] = celpy.json_to_cel(old)
-        ok = env.program(env.compile(rule["rule"])).evaluate(activation)
-        if not ok:
+        if not cel_holds(rule["rule"], new, old if transition else None):
             field = path + rule.get("fieldPath", "")
             errors.append(f"{field}: Invalid value: {rule['message']}")
     if isinstance(new, dict):
