@@ -36,7 +36,7 @@ from lora_operator.reconcile import (
 from lora_operator.render import Manifest
 from lora_operator.run_progress import ProgressReader, progress_status
 from lora_operator.settings import OperatorSettings
-from lora_trainer.progress_record import ProgressRecord
+from lora_trainer.progress_record import ProgressRecord, now_rfc3339
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class Controller:
     def _decide(self, cr: Manifest, seen: Observed | None) -> tuple[list[Op], Observed]:
         """Observe the CR's children (or take `seen`, still valid from the round before) and
         decide: (operations, what was observed)."""
-        now = st.now_rfc3339()
+        now = now_rfc3339()
         if cr["kind"] == "LoraFinetune":
             plan = plan_lora_finetune(cr, self.settings)
             seen = seen or self._observe_run(cr, plan)
@@ -281,7 +281,7 @@ class Controller:
                     child = self.kube.create_or_adopt(op.manifest)
                 except CannotCreate as e:
                     obs = st.Observation(Phase.FAILED, op.reason or e.reason, f"{op.prefix}{e}")
-                    return self._execute(cr, status_ops(cr, obs, st.now_rfc3339()), seen)[0], None
+                    return self._execute(cr, status_ops(cr, obs, now_rfc3339()), seen)[0], None
                 created[child["kind"] + "/" + child["metadata"]["name"]] = child
                 self._remember(child)
             elif isinstance(op, PatchSuspend):

@@ -16,7 +16,6 @@ from typing import Any
 
 from lora_operator.api import MAX_MESSAGE, Phase
 from lora_operator.labels import LFT_LABEL, QUEUE_LABEL
-from lora_trainer.progress_record import now_rfc3339
 
 #: Phases after which nothing changes any more.
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)

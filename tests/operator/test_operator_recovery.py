@@ -17,6 +17,7 @@ from test_operator_e2e import _cond, _has_event, _phase, adc, lft
 from lora_operator.controller import write_status
 from lora_operator.kube import RETRY_WAITS
 from lora_operator import status as st
+from lora_trainer.progress_record import now_rfc3339
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -66,7 +67,7 @@ async def test_a_status_write_for_a_resource_deleted_since_is_dropped():
         snapshot = await h.get("AdapterConversion", "conv-gone")
         await h.delete("AdapterConversion", "conv-gone")
         await h.gone("AdapterConversion", "conv-gone")
-        patch = st.status_patch({}, st.Observation("Running", "JobRunning", "the Job is running"), 1, st.now_rfc3339())
+        patch = st.status_patch({}, st.Observation("Running", "JobRunning", "the Job is running"), 1, now_rfc3339())
         assert await asyncio.to_thread(write_status, h.kube(), snapshot, patch) is None
         assert await h.events_for("conv-gone") == []
 
