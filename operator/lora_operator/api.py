@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import Field
 
@@ -271,7 +271,20 @@ class RunRecord(ApiModel):
     """The children (JobSet, Jobs) the operator created or adopted."""
 
 
-class LoraFinetuneStatus(ApiModel):
+class StatusModel(ApiModel):
+    """A resource's status, whole or partial: a reconcile's decisions are partial statuses (only
+    the fields they set), merged and written as one merge patch (lora_operator.controller)."""
+
+    def to_patch(self) -> dict[str, Any]:
+        """The fields set on this (partial) status, by their wire names: a merge patch's body."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+    def merged(self, later: StatusModel) -> Self:
+        """This partial status with `later`'s fields over it (a field decided twice keeps the later value)."""
+        return self.model_validate(self.to_patch() | later.to_patch())
+
+
+class LoraFinetuneStatus(StatusModel):
     phase: Phase | None = None
     """Pending, Running, Suspended, Exporting, Succeeded or Failed."""
     conditions: Conditions = Field(default_factory=list)
@@ -312,10 +325,6 @@ class LoraFinetuneStatus(ApiModel):
     """When the run reached Succeeded or Failed."""
     record: RunRecord | None = None
     """The operator's durable record (see RunRecord); for the operator, not for people."""
-
-    def to_patch(self) -> dict[str, Any]:
-        """The fields set on this (partial) status, by their wire names: a merge patch's body."""
-        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
 class AdapterEndpoint(ApiModel):
@@ -383,7 +392,7 @@ class AdapterConversionSpec(ApiModel):
     )
 
 
-class AdapterConversionStatus(ApiModel):
+class AdapterConversionStatus(StatusModel):
     phase: Literal[Phase.PENDING, Phase.RUNNING, Phase.SUCCEEDED, Phase.FAILED] | None = None
     """Pending, Running, Succeeded or Failed."""
     conditions: Conditions = Field(default_factory=list)
@@ -417,6 +426,7 @@ __all__ = [
     "LoraSpec",
     "ModelSpec",
     "OutputSpec",
+    "StatusModel",
     "TpuSpec",
     "TrainingSpec",
 ]

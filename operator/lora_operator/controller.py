@@ -16,7 +16,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from lora_operator import status as st
-from lora_operator.api import API_VERSION, JOBSET_API, Phase
+from lora_operator.api import API_VERSION, JOBSET_API, Phase, StatusModel
 from lora_operator.kube import CannotCreate, Kube
 from lora_operator.plan import plan_adapter_conversion, plan_lora_finetune
 from lora_operator.reconcile import (
@@ -34,7 +34,7 @@ from lora_operator.reconcile import (
     status_ops,
 )
 from lora_operator.render import Manifest
-from lora_operator.run_progress import ProgressReader, progress_status
+from lora_operator.run_progress import ProgressReader, progress_fields, progress_status
 from lora_operator.settings import OperatorSettings
 from lora_trainer.progress_record import ProgressRecord, now_rfc3339
 
@@ -51,11 +51,12 @@ class Stale(Exception):
     """What a round read has changed since; the next round reads again."""
 
 
-def write_status(kube: Kube, cr: Manifest, fields: dict[str, Any]) -> Manifest | None:
-    """The one writer of a CR's status: a merge patch of the fields that change, refused (Stale) if
-    the CR changed since `cr` was read. Returns the CR as written (None: it is gone)."""
+def write_status(kube: Kube, cr: Manifest, status: StatusModel) -> Manifest | None:
+    """The one writer of a CR's status: a merge patch of the fields of the partial `status` that
+    change (no request when none does), refused (Stale) if the CR changed since `cr` was read.
+    Returns the CR as written (None: it is gone)."""
     current = cr.get("status") or {}
-    changed = {k: v for k, v in fields.items() if current.get(k) != v}
+    changed = {k: v for k, v in status.to_patch().items() if current.get(k) != v}
     if not changed:
         return cr
     meta = cr["metadata"]
@@ -251,7 +252,7 @@ class Controller:
                     return
                 total = int(((cr.get("spec") or {}).get("training") or {}).get("steps") or status.get("totalSteps") or 0)
                 try:
-                    write_status(self.kube, cr, progress_status(record, total))
+                    write_status(self.kube, cr, progress_fields(record, total))
                     return
                 except Stale:
                     log.debug("%s/%s changed while its progress was written; reading it again", namespace, name)
@@ -270,7 +271,7 @@ class Controller:
         patched = False
         for op in ops:
             if isinstance(op, WriteStatus):
-                written = write_status(self.kube, cr, op.fields)
+                written = write_status(self.kube, cr, op.status)
                 if written is None:
                     return None, None
                 cr = fresh = written

@@ -1,7 +1,7 @@
 """Plan, then act: what a CR should have, from its spec and the operator's settings alone. Pure.
 
 A plan is the desired half of a reconcile: the children (rendered), the names they go by, and
-the status fields that describe the run before anything happened. `lora_operator.reconcile`
+the partial status (typed) that describes the run before anything happened. `lora_operator.reconcile`
 compares it with what the cluster holds and the CR's durable record. A spec the settings refuse
 still gives a plan (with `problem` set), because a run admitted before the settings changed must
 still be followed to its end.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lora_operator.api import AdapterConversionSpec, LoraFinetuneSpec
+from lora_operator.api import AdapterConversionSpec, LoraFinetuneSpec, LoraFinetuneStatus
 from lora_operator.render import (
     ChildNames,
     InvalidSpec,
@@ -46,8 +46,8 @@ class Plan:
     """The export Jobs (none when output.export asks for nothing)."""
     export_names: list[str] = field(default_factory=list)
     """Names of the export Jobs the spec asks for, even when they cannot be rendered."""
-    admission: dict[str, Any] = field(default_factory=dict)
-    """Status fields that describe the run before it starts: JobSet name, TPU shape, step counter."""
+    admission: LoraFinetuneStatus = field(default_factory=LoraFinetuneStatus)
+    """The partial status that describes the run before it starts: JobSet name, TPU shape, step counter."""
 
     @property
     def suspend(self) -> bool:
@@ -63,11 +63,11 @@ def plan_lora_finetune(body: dict[str, Any], settings: OperatorSettings) -> Plan
         return Plan(names, problem=e)
     uris = output_uris(spec)
     export_names = [n for key, n in (("adapter", names.export), ("merged", names.export_merged)) if key in uris]
-    admission: dict[str, Any] = {"jobSetName": names.jobset, "totalSteps": spec.training.steps,
-                                 "progress": f"0/{spec.training.steps}"}
+    steps = spec.training.steps
+    admission = LoraFinetuneStatus(job_set_name=names.jobset, total_steps=steps, progress=f"0/{steps}")
     try:
         check_jobset_name(names.jobset)
-        admission["tpu"] = tpu_summary(resolve_tpu(spec, settings), spec.tpu.slices)
+        admission = admission.merged(LoraFinetuneStatus(tpu=tpu_summary(resolve_tpu(spec, settings), spec.tpu.slices)))
         owner = Owner.from_body(body)
         return Plan(names, spec, None, render_training(owner, spec, settings), render_export_jobs(owner, spec, settings),
                     export_names, admission)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lora_operator import status as st
-from lora_operator.api import Phase
+from lora_operator.api import AdapterConversionStatus, LoraFinetuneStatus, Phase, StatusModel
 from lora_operator.plan import ConversionPlan, Plan
 from lora_operator.render import TRACKING_FINALIZER, Manifest, output_uris
 
@@ -38,9 +38,24 @@ Status = dict[str, Any]
 
 @dataclass(frozen=True)
 class WriteStatus:
-    """Merge these fields into the CR's status (conditional on the CR not having changed since read)."""
+    """Merge this partial status into the CR's (conditional on the CR not having changed since read)."""
 
-    fields: Status
+    status: StatusModel
+    """The partial status (only the fields it sets)."""
+
+    @property
+    def fields(self) -> Status:
+        """The change by wire names, as the merge patch carries it."""
+        return self.status.to_patch()
+
+
+#: The status model of each kind: a change is typed, and so checked, where it is decided.
+STATUS_MODELS: dict[str, type[StatusModel]] = {"LoraFinetune": LoraFinetuneStatus, "AdapterConversion": AdapterConversionStatus}
+
+
+def status_change(cr: Manifest, fields: Status) -> WriteStatus:
+    """The change that sets these status fields (wire names) on `cr`, typed by its kind."""
+    return WriteStatus(STATUS_MODELS[cr["kind"]].model_validate(fields))
 
 
 @dataclass(frozen=True)
@@ -168,7 +183,7 @@ def status_ops(cr: Manifest, obs: st.Observation, now: str, *, events: bool = Tr
                                                  "spec.maxRestarts and training resumes from the last committed checkpoint",
                           f"preemption/{n}")
                 for n in range((current.get("preemptions") or 0) + 1, (obs.preemptions or 0) + 1)]
-    return [*ops, WriteStatus(patch)]
+    return [*ops, status_change(cr, patch)]
 
 
 def _fail(cr: Manifest, reason: str, message: str, now: str, **fields: Any) -> list[Op]:
@@ -213,7 +228,7 @@ def _admit(cr: Manifest, plan: Plan, seen: Observed, now: str) -> list[Op]:
         if conditions == status.get("conditions") and status.get("phase") == Phase.PENDING:
             return []
         return [PostEvent("Warning", "SecretNotFound", message, f"secret/{gen}"),
-                WriteStatus({"phase": Phase.PENDING, "conditions": conditions})]
+                status_change(cr, {"phase": Phase.PENDING, "conditions": conditions})]
     if ref is not None:
         conditions = st.set_condition(conditions, "SecretsResolved", "True", "SecretFound", "hfTokenSecretRef resolved", gen, now)
     obs = (st.Observation(Phase.SUSPENDED, "Suspended", "created suspended; set spec.suspend to false to start") if plan.suspend
@@ -221,7 +236,8 @@ def _admit(cr: Manifest, plan: Plan, seen: Observed, now: str) -> list[Op]:
     admitted = {**cr, "status": {**status, "conditions": conditions}}
     record = {"suspendRequested": plan.suspend, "suspendApplied": plan.suspend, "children": []}
     # Written before the children exist, so every JobSet-driven decision finds the run admitted.
-    return [*status_ops(admitted, obs, now, events=False, **plan.admission, record=record), *map(Create, plan.training)]
+    return [*status_ops(admitted, obs, now, events=False, **plan.admission.to_patch(), record=record),
+            *map(Create, plan.training)]
 
 
 def _train(cr: Manifest, plan: Plan, seen: Observed, now: str) -> list[Op]:
@@ -265,7 +281,7 @@ def _train(cr: Manifest, plan: Plan, seen: Observed, now: str) -> list[Op]:
 
 
 def _record_only(cr: Manifest, record: Status) -> list[Op]:
-    return [] if record == _record(cr.get("status") or {}) else [WriteStatus({"record": record})]
+    return [] if record == _record(cr.get("status") or {}) else [status_change(cr, {"record": record})]
 
 
 def _apply_suspend(cr: Manifest, js: Manifest, plan: Plan, record: Status, now: str) -> list[Op]:
@@ -277,7 +293,7 @@ def _apply_suspend(cr: Manifest, js: Manifest, plan: Plan, record: Status, now: 
     status = dict(cr.get("status") or {})
     if record.get("suspendRequested") != suspend:
         record = {**record, "suspendRequested": suspend}
-        ops.append(WriteStatus({"record": record}))
+        ops.append(status_change(cr, {"record": record}))  # written before the JobSet is patched (a write-ahead)
         status["record"] = record
     ops.append(PatchSuspend(js["metadata"]["name"], suspend))
     ops.append(PostEvent("Normal", "Suspended" if suspend else "Resumed",

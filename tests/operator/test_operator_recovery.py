@@ -14,6 +14,7 @@ import pytest
 from k8s_harness import ApiServerEmulator, Harness, _now, harness_settings
 from test_operator_e2e import _cond, _has_event, _phase, adc, lft
 
+from lora_operator.api import AdapterConversionStatus
 from lora_operator.controller import write_status
 from lora_operator.kube import RETRY_WAITS
 from lora_operator import status as st
@@ -68,7 +69,8 @@ async def test_a_status_write_for_a_resource_deleted_since_is_dropped():
         await h.delete("AdapterConversion", "conv-gone")
         await h.gone("AdapterConversion", "conv-gone")
         patch = st.status_patch({}, st.Observation("Running", "JobRunning", "the Job is running"), 1, now_rfc3339())
-        assert await asyncio.to_thread(write_status, h.kube(), snapshot, patch) is None
+        status = AdapterConversionStatus.model_validate(patch)
+        assert await asyncio.to_thread(write_status, h.kube(), snapshot, status) is None
         assert await h.events_for("conv-gone") == []
 
 
