@@ -1,14 +1,17 @@
 """The act half of "plan, then act": observe a CR's children, decide (lora_operator.reconcile),
-execute the operations, and repeat on fresh reads until nothing is left to do.
+execute the operations, and repeat until nothing is left to do; then write the status, once.
 
 One reconcile of a CR at a time in this process (a lock per CR: the CR's own handlers, its
 children's events and its timer all land here). Status is written by `write_status` only, as a
 merge patch conditional on the CR's resourceVersion, so a decision made on a stale read is never
-written over a newer one: the conflict sends the reconcile round back to reading.
+written over a newer one: the conflict sends the reconcile back to reading. A reconcile collects
+the status changes its rounds decide in one `StatusDraft` and writes it once, at the end; the
+only other writes are the write-aheads the durable record needs (see `StatusDraft`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -72,6 +75,42 @@ def write_status(kube: Kube, cr: Manifest, status: StatusModel) -> Manifest | No
         raise
 
 
+class StatusDraft:
+    """The status changes a reconcile has decided and not yet written, merged in decision order.
+
+    A reconcile is several rounds of observe, decide, act; each round decides on the CR as the
+    draft will leave it (`over`), and the draft is written once, when nothing is left to do. One
+    exception, on purpose: before any operation on a child the draft is written first (a
+    write-ahead), because what the status says must be durable before the operator acts on it
+    (lora_operator.reconcile): the admission before the children are created, the suspension
+    requested before the JobSet is patched, what training ended with before the JobSet is let go.
+    A kill between the two then finds the record and finishes the job. So a reconcile writes its
+    status at most once, plus once per write-ahead."""
+
+    def __init__(self) -> None:
+        self.status: StatusModel | None = None
+
+    def add(self, change: StatusModel) -> None:
+        """Merge a decided change in (a field decided again keeps the later value)."""
+        self.status = change if self.status is None else self.status.merged(change)
+
+    def over(self, cr: Manifest) -> Manifest:
+        """`cr` as it will be once the draft is written: what the next decision starts from.
+        Shallow, like the merge patch for what decisions write (whole lists, whole records)."""
+        if self.status is None:
+            return cr
+        return {**cr, "status": {**(cr.get("status") or {}), **self.status.to_patch()}}
+
+    def write(self, kube: Kube, cr: Manifest) -> Manifest | None:
+        """Write the draft onto `cr` (the CR as last read or written) and start afresh. Returns
+        the CR as written (`cr` when nothing was pending; None: it is gone); Stale if it changed."""
+        if self.status is None:
+            return cr
+        written = write_status(kube, cr, self.status)
+        self.status = None
+        return written
+
+
 def observes_exports(cr: Manifest) -> bool:
     """Whether a reconcile of this CR reads the export Jobs too: once training has ended, and while
     the CR is being deleted (so that they can be let go)."""
@@ -117,22 +156,29 @@ class Controller:
             self._reconcile_locked(kind, namespace, name)
 
     def _reconcile_locked(self, kind: str, namespace: str, name: str) -> None:
+        """Rounds of observe, decide, act until nothing is left to do, then the one status write.
+        A conflict drops what was decided on the stale read (draft included) and reads again."""
         cr: Manifest | None = None
         seen: Observed | None = None
+        draft = StatusDraft()
         for _ in range(MAX_ROUNDS):
             cr = cr or self.kube.get(API_VERSION, kind, namespace, name)
             if cr is None:
                 return
-            ops, seen = self._decide(cr, seen)
-            if not ops:
-                self._settled(seen)
-                return
             try:
-                cr, seen = self._execute(cr, ops, seen)
+                ops, seen = self._decide(draft.over(cr), seen)
+                if not ops:
+                    draft.write(self.kube, cr)
+                    self._settled(seen)
+                    return
+                cr, seen = self._execute(cr, draft, ops, seen)
             except Stale as e:
                 log.debug("reconcile of %s %s/%s: %s; reading again", kind, namespace, name, e)
-                cr, seen = None, None
+                cr, seen, draft = None, None, StatusDraft()
         log.info("%s %s/%s is still changing after %d rounds; the next event or resync goes on", kind, namespace, name, MAX_ROUNDS)
+        if cr is not None:  # what the executed rounds decided is written; the next trigger goes on from there
+            with contextlib.suppress(Stale):
+                draft.write(self.kube, cr)
 
     def _settled(self, seen: Observed) -> None:
         """Remember the children a reconcile found nothing to do about, as it saw them."""
@@ -259,43 +305,68 @@ class Controller:
 
     # --- act ------------------------------------------------------------------------------------
 
-    def _execute(self, cr: Manifest, ops: list[Op], seen: Observed) -> tuple[Manifest | None, Observed | None]:
-        """Run the operations in order; the first refusal ends the round. Returns what the next
-        round may start from instead of reading again: the CR as the round's last status write
-        left it (no other operation changes the CR, and only a reconcile holding its lock writes
-        its status), and `seen` with the children the round created, unless it patched a child or
-        moved the run between training and exporting (which observe different children)."""
-        fresh: Manifest | None = None
-        before = observes_exports(cr)
+    def _execute(self, cr: Manifest, draft: StatusDraft, ops: list[Op], seen: Observed) -> tuple[Manifest | None, Observed | None]:
+        """Run the operations in order, status changes into `draft`; the first refusal ends the
+        round. Returns what the next round starts from instead of reading again: the CR as read
+        or as the round's write-ahead left it (None: it is gone), so that every change in the
+        draft was decided on the very version the draft's conditional write goes onto (only a
+        reconcile holding the CR's lock writes its status; anyone else's change is a conflict),
+        and `seen` with the children the round created, unless it patched a child or moved the
+        run between training and exporting (which observe different children)."""
+        before = observes_exports(draft.over(cr))
         created: dict[str, Manifest] = {}
         patched = False
         for op in ops:
-            if isinstance(op, WriteStatus):
-                written = write_status(self.kube, cr, op.status)
+            if self._note(cr, draft, op):
+                continue
+            if draft.status is not None:  # status first, then children: the write-ahead (see StatusDraft)
+                written = draft.write(self.kube, cr)
                 if written is None:
                     return None, None
-                cr = fresh = written
-            elif isinstance(op, PostEvent):
-                self.kube.post_event(cr, type=op.type, reason=op.reason, message=op.message, key=op.key)
-            elif isinstance(op, Create):
-                try:
-                    child = self.kube.create_or_adopt(op.manifest)
-                except CannotCreate as e:
-                    obs = st.Observation(Phase.FAILED, op.reason or e.reason, f"{op.prefix}{e}")
-                    return self._execute(cr, status_ops(cr, obs, now_rfc3339()), seen)[0], None
+                cr = written
+            if isinstance(op, Create):
+                if (child := self._create(cr, draft, op)) is None:
+                    return cr, None
                 created[child["kind"] + "/" + child["metadata"]["name"]] = child
-                self._remember(child)
-            elif isinstance(op, PatchSuspend):
-                patched = True
-                self._patch(JOBSET_API, "JobSet", cr["metadata"]["namespace"], op.name, {"spec": {"suspend": op.suspend}})
             else:
                 patched = True
-                self._set_finalizers(op)
-        if patched or before != observes_exports(cr):
-            return fresh, None
+                self._change_child(cr, op)
+        if patched or before != observes_exports(draft.over(cr)):
+            return cr, None
         jobset = next((c for c in created.values() if c["kind"] == "JobSet"), seen.jobset)
         jobs = {name: created.get(f"Job/{name}", job) for name, job in seen.jobs.items()}
-        return fresh, Observed(jobset=jobset, jobs=jobs, secret=seen.secret, progress=seen.progress)
+        return cr, Observed(jobset=jobset, jobs=jobs, secret=seen.secret, progress=seen.progress)
+
+    def _note(self, cr: Manifest, draft: StatusDraft, op: Op) -> bool:
+        """Take a status change into the draft or post an event; False for an operation on a child."""
+        if isinstance(op, WriteStatus):
+            draft.add(op.status)
+        elif isinstance(op, PostEvent):
+            self.kube.post_event(cr, type=op.type, reason=op.reason, message=op.message, key=op.key)
+        else:
+            return False
+        return True
+
+    def _create(self, cr: Manifest, draft: StatusDraft, op: Create) -> Manifest | None:
+        """Create (or adopt) a child. Refused (a webhook, a name taken), the CR's failure goes
+        into the draft, its event is posted, and None is returned."""
+        try:
+            child = self.kube.create_or_adopt(op.manifest)
+        except CannotCreate as e:
+            obs = st.Observation(Phase.FAILED, op.reason or e.reason, f"{op.prefix}{e}")
+            for failed in status_ops(draft.over(cr), obs, now_rfc3339()):
+                self._note(cr, draft, failed)
+            return None
+        self._remember(child)
+        return child
+
+    def _change_child(self, cr: Manifest, op: Op) -> None:
+        """Suspend or resume the JobSet, or set a child's finalizers."""
+        if isinstance(op, PatchSuspend):
+            self._patch(JOBSET_API, "JobSet", cr["metadata"]["namespace"], op.name, {"spec": {"suspend": op.suspend}})
+        else:
+            assert isinstance(op, SetFinalizers)
+            self._set_finalizers(op)
 
     def _patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
         try:

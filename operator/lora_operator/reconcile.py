@@ -16,7 +16,11 @@ cluster is kept in the CR's status, written before the operator acts on it:
 - events are named from a key (`PostEvent.key`), so posting one again is a no-op.
 
 The controller (`lora_operator.controller`) observes, calls these functions, and executes the
-operations in order, re-reading after each round until nothing is left to do.
+operations in order, round after round until nothing is left to do. A `WriteStatus` is a typed
+partial status: the controller merges a reconcile's changes and writes them once, at the end,
+except that what is decided before an operation on a child is written before it (the write-aheads
+above: admission before the children, the suspension requested before the patch, the end of
+training before the JobSet is let go).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ Status = dict[str, Any]
 
 @dataclass(frozen=True)
 class WriteStatus:
-    """Merge this partial status into the CR's (conditional on the CR not having changed since read)."""
+    """A status change: the controller merges it into the reconcile's one status write (written
+    before the round's next child operation, or at the end; see lora_operator.controller)."""
 
     status: StatusModel
     """The partial status (only the fields it sets)."""
@@ -235,7 +240,8 @@ def _admit(cr: Manifest, plan: Plan, seen: Observed, now: str) -> list[Op]:
            else st.Observation(Phase.PENDING, "JobSetCreated", f"created JobSet {plan.names.jobset}; waiting for TPU pods"))
     admitted = {**cr, "status": {**status, "conditions": conditions}}
     record = {"suspendRequested": plan.suspend, "suspendApplied": plan.suspend, "children": []}
-    # Written before the children exist, so every JobSet-driven decision finds the run admitted.
+    # Written before the children exist (the controller writes it ahead of the first Create), so
+    # every JobSet-driven decision finds the run admitted.
     return [*status_ops(admitted, obs, now, events=False, **plan.admission.to_patch(), record=record),
             *map(Create, plan.training)]
 
