@@ -58,9 +58,7 @@ FORBIDDEN = [
 KNOWN: set[tuple[str, str]] = set()
 
 #: Known cycles between modules (edges to drop from the cycle check), each with its reason.
-KNOWN_CYCLE_EDGES = {
-    ("lora_trainer.models.splash", "lora_trainer.models.attention"),  # issue 24: splash imports attention's RESIDUALS; attention imports splash lazily
-}
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 HEAVY = ("jax", "jaxlib", "flax", "torch", "transformers", "qwix", "tunix", "orbax", "numpy", "peft")
 

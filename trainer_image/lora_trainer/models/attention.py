@@ -28,10 +28,6 @@ import jax.numpy as jnp
 from lora_trainer.accumulating_dot import contract
 from lora_trainer.errors import UserError
 
-#: Name under which attention residuals are tagged for rematerialisation policies (`models.remat`
-#: keeps them, so a backward pass never runs the attention forward again).
-RESIDUALS = "attention_residuals"
-
 #: Tunix's mask value (every Tunix family defines the same constant).
 K_MASK = -2.3819763e38
 

@@ -18,9 +18,12 @@ import jax
 from flax import nnx
 
 from lora_trainer.config import Remat
-from lora_trainer.models.attention import RESIDUALS
 
 _cp = jax.checkpoint_policies
+
+#: Name under which the attention kernel tags its residuals (`models.splash`): `dots` keeps them,
+#: so a backward pass never runs the attention forward again.
+RESIDUALS = "attention_residuals"
 
 #: Policy name -> JAX rematerialisation policy (`none` is the absence of one).
 POLICIES = {

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.interpreters import pxla
 
-from lora_trainer.models.attention import RESIDUALS
+from lora_trainer.models.remat import RESIDUALS
 
 #: The batch and head axes of the trainer's mesh (`distributed.make_mesh`): rows over data and fsdp, heads over tp.
 _BATCH_AXES = ("data", "fsdp")
