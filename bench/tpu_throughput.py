@@ -6,12 +6,13 @@ Run by hand on a machine with one TPU chip (never in CI), e.g. through the `devi
 
 Each case writes a random Llama-shaped HF checkpoint (bfloat16 safetensors, a small BPE
 tokenizer; shapes of Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B) and runs the real
-`lora-trainer train --config` in a subprocess, as a user would: packed text rows of exactly
-`seq` tokens, LoRA rank 16 (alpha 32) on all seven projections, AdamW, bfloat16 base. It reads
-the trainer's own progress lines (tokens/s, MFU, step time) and log lines (compile time,
-compiled memory), and times from the process start to the first finished step. A case then
-runs again, resuming from its checkpoint with the compilation cache warm: the restart's time to
-its first step. The `full-ft` case trains every weight of the same model (bfloat16 AdamW
+`lora-trainer train --config` in a subprocess, as a user would: short text rows packed into
+`seq`-token sequences (the "fill" is the share of real tokens), LoRA rank 16 (alpha 32) on all
+seven projections, AdamW, bfloat16 base. It reads the trainer's own progress lines (tokens/s,
+MFU, step time) and log lines (compile time, compiled memory; JAX's log of every compile and
+cache hit), and times from the process start to the first finished step. A case is preempted
+(SIGTERM) after STEPS steps and then runs again with the same config, resuming from the
+SIGTERM's checkpoint with the compilation cache warm: the restart's time to its first step. The `full-ft` case trains every weight of the same model (bfloat16 AdamW
 moments) in a bare jitted step of the same loss, kernels and rematerialisation.
 
 MFU is the trainer's (`lora_trainer.metrics`): model FLOPs per token = 4 x (base matmul
