@@ -134,11 +134,9 @@ class FamilySpec:
     def target_for_path(self, module_path: str) -> tuple[LoraTarget, int]:
         """The LoraTarget and layer index of an NNX module path; KeyError if unknown."""
         for target in self.lora_targets:
-            prefix, suffix = target.nnx.split("{i}")
-            if module_path.startswith(prefix) and module_path.endswith(suffix):
-                middle = module_path[len(prefix) : len(module_path) - len(suffix)]
-                if middle.isdigit():
-                    return target, int(middle)
+            layer = _layer_in(target.nnx, module_path)
+            if layer is not None:
+                return target, layer
         raise KeyError(module_path)
 
     def target_for_hf_module(self, hf_module: str) -> tuple[LoraTarget, int]:
@@ -154,11 +152,9 @@ class FamilySpec:
                     hf_module = self.nested_text.module_prefix + hf_module[len(prefix) :]
                     break
         for target in self.lora_targets:
-            prefix, suffix = target.hf.split("{i}")
-            if hf_module.startswith(prefix) and hf_module.endswith(suffix):
-                middle = hf_module[len(prefix) : len(hf_module) - len(suffix)]
-                if middle.isdigit():
-                    return target, int(middle)
+            layer = _layer_in(target.hf, hf_module)
+            if layer is not None:
+                return target, layer
         raise KeyError(hf_module)
 
     def hf_module_name(self, module_path: str) -> str:
@@ -170,3 +166,12 @@ class FamilySpec:
         """HF module name -> NNX module path."""
         target, i = self.target_for_hf_module(hf_module)
         return expand(target.nnx, i)
+
+
+def _layer_in(template: str, name: str) -> int | None:
+    """The layer index `name` fills into `template`'s `{i}` (`layers/{i}/attn/q_proj`); None if it does not match."""
+    prefix, suffix = template.split("{i}")
+    if len(name) <= len(prefix) + len(suffix) or not (name.startswith(prefix) and name.endswith(suffix)):
+        return None
+    middle = name[len(prefix) : len(name) - len(suffix)]
+    return int(middle) if middle.isdigit() else None
