@@ -75,8 +75,7 @@ class AsyncSaves:
     def poll(self) -> None:
         """Hand off a snapshot (call it just before the next step), and announce the saves that
         have committed since the last look; waits only for a previous handoff still running."""
-        if self._snapshot is not None:
-            self._hand_off()
+        self._hand_off()
         if self._handoff is not None and not self._handoff.done():
             return
         self._settle()
@@ -88,8 +87,7 @@ class AsyncSaves:
         """Save `step` unless it is saved already, and wait until every save has committed."""
         if self.started != step:
             self.start(step)
-        if self._snapshot is not None:
-            self._hand_off()
+        self._hand_off()
         self._settle()
         if self._pending:
             self.store.wait()
@@ -105,11 +103,12 @@ class AsyncSaves:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _hand_off(self) -> None:
-        """Give the snapshot to the save thread, one handoff at a time (a checkpoint interval is far
-        longer than a handoff, so the wait for the previous one is nil in practice)."""
-        self._settle()
+        """Give the snapshot, if any, to the save thread, one handoff at a time (a checkpoint interval
+        is far longer than a handoff, so the wait for the previous one is nil in practice)."""
         snapshot, self._snapshot = self._snapshot, None
-        assert snapshot is not None
+        if snapshot is None:
+            return
+        self._settle()
         self._handoff = self._executor.submit(lambda: self.store.save(**snapshot))
         self._pending.append(snapshot["step"])
 

@@ -49,7 +49,7 @@ def persistent(path: str | None) -> Iterator[None]:
     if path == before[0]:
         yield
         return
-    _use(path, MIN_COMPILE_SECONDS if path is None or storage.is_gcs(path) else min(MIN_COMPILE_SECONDS, MIN_LOCAL_COMPILE_SECONDS))
+    _use(path, MIN_LOCAL_COMPILE_SECONDS if path and not storage.is_gcs(path) else MIN_COMPILE_SECONDS)
     if path:
         log.info("compiled programs are cached in %s", path)
     try:

@@ -56,7 +56,6 @@ FieldName = Annotated[str, Field(min_length=1, max_length=MAX_FIELD_NAME)]
 TILE_SIZES = [2**i for i in range(13)]
 
 
-
 def family_names() -> tuple[str, ...]:
     """The model families: one folder each under `lora_trainer/models/families/` (see
     docs/dev/adding-a-family.md), read off the disk so that this module imports no model code."""
