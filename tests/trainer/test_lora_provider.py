@@ -76,8 +76,11 @@ def test_loss_and_lora_grads_equal_qwix(loaded: dict[str, LoadedModel], family: 
     assert all(np.abs(g).max() > 0 for g in ours[1].values())
 
 
-def test_qlora_grads_equal_qwix(loaded: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = LoraSpec(rank=4, alpha=8.0, quantization=QuantizationSpec(weight_qtype="int8"))
+@pytest.mark.parametrize("quantization", [QuantizationSpec(weight_qtype="int8"), QuantizationSpec(weight_qtype="nf4", tile_size=16)],
+                         ids=["int8", "nf4"])
+def test_qlora_grads_equal_qwix(loaded: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch, quantization: QuantizationSpec) -> None:
+    """Including the frozen product's own backward (`quantized_product`), on Einsum and Linear projections."""
+    spec = LoraSpec(rank=4, alpha=8.0, quantization=quantization)
     ours, theirs = _both(loaded["llama3"], spec, monkeypatch)
     _assert_same(ours, theirs)
 

@@ -35,7 +35,7 @@ from qwix._src.providers import lora as qwix_lora
 from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
-from lora_trainer import accumulating_dot
+from lora_trainer import accumulating_dot, quantized_product
 from lora_trainer.accumulating_dot import contract
 
 
@@ -223,12 +223,16 @@ class LoraProvider(qwix.LoraProvider):
     of upcasting both operands; and the adapted projection's output keeps the base's dtype
     (as PEFT casts it back), where Qwix's `bf16 + float32 delta` silently turned every later
     activation of the model into float32. The adapted product and its delta are summed in
-    float32 and rounded once. QLoRA's one-time weight quantization is compiled (`_CompiledQuantize`).
+    float32 and rounded once. QLoRA's one-time weight quantization is compiled (`_CompiledQuantize`),
+    and its frozen products dequantize the weight again in the backward pass rather than keep the
+    forward's (`quantized_product`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._qarray_module = _CompiledQuantize()
+        self._dot_general_fn = quantized_product.dot_general
+        self._einsum_fn = quantized_product.einsum
 
     def dot_general(
         self,
