@@ -21,7 +21,9 @@ attention (2 x 2 x seq x heads x head_dim per layer forward, halved by causality
 and backward); a full fine-tune counts 6 x parameters instead of 4. Rematerialised work is not
 counted (it is not model FLOPs). Peak: 197 TFLOP/s bf16 for a v5e chip.
 
-`--check` first compares the splash kernel with the XLA attention in bfloat16 on the chip.
+`--check` first compares the splash kernel with the XLA attention in bfloat16 on the chip;
+`--study`, `--qlora-memory` and `--save-overlap` first run the few-layer studies of the step's
+variants, of QLoRA's memory and of what a background save costs the steps it overlaps.
 Results go to `<out>/results.json` as each case ends; `--write` also rewrites the "TPU"
 section of docs/benchmarks.md.
 """
@@ -78,7 +80,9 @@ CASES: dict[str, tuple[str, int, int, int, dict[str, Any]]] = {
     "3b-lora": ("3b", 2048, 2, 4, {}),
     "3b-lora-full": ("3b", 2048, 4, 2, {"training": {"remat": "full"}}),
     "3b-qlora": ("3b", 2048, 2, 4, {"lora": {"quantization": {"weightQtype": "nf4", "tileSize": 64}}}),
-    "8b-qlora": ("8b", 2048, 2, 4, {"lora": {"quantization": {"weightQtype": "nf4", "tileSize": 64}}}),
+    # `full`: `dots` keeps ~0.35 GB of products per layer at micro-batch 2 (11 GB for 32 layers), which
+    # with the ~5.4 GiB quantized base cannot fit in 15.7 GiB; `full` keeps each layer's input (1 GB in all).
+    "8b-qlora": ("8b", 2048, 2, 4, {"lora": {"quantization": {"weightQtype": "nf4", "tileSize": 64}}, "training": {"remat": "full"}}),
     "1b-full-ft": ("1b", 2048, 2, 1, {}),
     "tiny-lora": ("tiny", 256, 2, 2, {}),
     "tiny-full-ft": ("tiny", 256, 2, 1, {}),
@@ -267,7 +271,9 @@ def _seconds(pattern: str, text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def run_case(case: str, work: Path, timeout: float, *, restart: bool = True) -> dict[str, Any]:
+def run_case(case: str, work: Path, logs: Path, timeout: float, *, restart: bool = True) -> dict[str, Any]:
+    """Run `case` (a cold start, preempted, then a warm restart); each process's log is written to `logs`
+    as it runs, so a command stopped at the device's time limit still brings back what ran."""
     shape, *_ = CASES[case]
     model = write_checkpoint(shape, work / f"model-{shape}")
     data = write_dataset(work / "data.jsonl")
@@ -275,16 +281,16 @@ def run_case(case: str, work: Path, timeout: float, *, restart: bool = True) -> 
     cfg_path = work / f"{case}.json"
     if case.endswith("full-ft"):
         cfg_path.write_text(json.dumps(train_config(case, model, data, out, STEPS)))
-        cold = _run([sys.executable, __file__, "--full-ft-worker", str(cfg_path)], work / f"{case}.log", timeout)
+        cold = _run([sys.executable, __file__, "--full-ft-worker", str(cfg_path)], logs / f"{case}.log", timeout)
         return {"case": case, "cold": _summary(cold, case)}
     # Preempted (SIGTERM) after STEPS steps, then restarted with the same config: it resumes from
     # the SIGTERM's checkpoint, with the compilation cache warm.
     cfg_path.write_text(json.dumps(train_config(case, model, data, out, STEPS + 3)))
     argv = [sys.executable, "-m", "lora_trainer.cli", "train", "--config", str(cfg_path)]
-    cold = _run(argv, work / f"{case}.log", timeout, sigterm_after=STEPS)
+    cold = _run(argv, logs / f"{case}.log", timeout, sigterm_after=STEPS)
     result = {"case": case, "cold": _summary(cold, case)}
     if restart and cold["code"] == PREEMPTED:
-        result["warm"] = _summary(_run(argv, work / f"{case}-warm.log", timeout), case)
+        result["warm"] = _summary(_run(argv, logs / f"{case}-warm.log", timeout), case)
     return result
 
 
@@ -391,48 +397,161 @@ STUDY = [("splash", "dots", 4), ("splash", "none", 4), ("xla", "none", 4), ("xla
          ("splash", "full", 4)]
 
 
+def _study_model(work: Path, shape: str, layers: int) -> Path:
+    """A random checkpoint of `shape`'s widths with `layers` decoder layers (short compiles)."""
+    name = f"{shape}-{layers}layers"
+    SHAPES[name] = {**SHAPES[shape], "num_hidden_layers": layers}
+    return write_checkpoint(name, work / f"model-{name}")
+
+
+def _study_batch(micro: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """One packed-looking micro-batch of random tokens, every position real."""
+    rng = np.random.default_rng(seed)
+    return {"input_tokens": rng.integers(3, 4000, (micro, seq)).astype(np.int32), "input_mask": np.ones((micro, seq), np.int32),
+            "segment_ids": np.ones((micro, seq), np.int32), "positions": np.broadcast_to(np.arange(seq), (micro, seq)).astype(np.int32)}
+
+
+def _study_trainer(model_dir: Path, policy: str, *, splash: bool, quantization: Any = None) -> tuple[Any, Any]:
+    """(trainer, loaded model): the production step (`tunix_trainer.make_trainer`) with LoRA r16 on all projections.
+    Loaded again for each: a trained model's arrays are donated."""
+    from lora_trainer.config import LoraSpec, TrainingSpec
+    from lora_trainer.lora import apply_lora
+    from lora_trainer.models import load_model, remat
+    from lora_trainer.tunix_trainer import make_trainer
+
+    loaded = load_model(str(model_dir), dtype="bfloat16")
+    model = apply_lora(loaded.model, LoraSpec(rank=16, alpha=32.0, quantization=quantization), loaded.family, seed=0).model
+    remat.apply(model, policy)
+    trainer = make_trainer(model, TrainingSpec(steps=1000, learning_rate=1e-4, schedule="constant"), splash=splash)
+    return trainer, loaded
+
+
+def _timed_step(trainer: Any, micro_batches: list[dict[str, np.ndarray]]) -> float:
+    start = time.perf_counter()
+    trainer.train([dict(b) for b in micro_batches])
+    float(trainer.train_aux[-1]["loss"])
+    return time.perf_counter() - start
+
+
 def study(work: Path, shape: str = "1b", layers: int = 4, seq: int = 2048) -> list[dict[str, Any]]:
-    """The production step (`tunix_trainer.make_trainer`) on `shape`'s widths with `layers` layers
-    (short compiles), one micro-batch per step, for each kernel / remat / micro-batch of `STUDY`."""
+    """The production step on `shape`'s widths with `layers` layers, one micro-batch per step, for
+    each kernel / remat / micro-batch of `STUDY`."""
     import jax
     import jax.numpy as jnp
 
     from lora_trainer import train
-    from lora_trainer.config import LoraSpec, TrainingSpec
-    from lora_trainer.lora import apply_lora
-    from lora_trainer.models import load_model, remat
-    from lora_trainer.tunix_trainer import compiled_memory, make_trainer
+    from lora_trainer.tunix_trainer import compiled_memory
 
-    name = f"{shape}-{layers}layers"
-    SHAPES[name] = {**SHAPES[shape], "num_hidden_layers": layers}
-    model_dir = write_checkpoint(name, work / f"model-{name}")
+    model_dir = _study_model(work, shape, layers)
     rows = []
     for kernel, policy, micro in STUDY:
-        rng = np.random.default_rng(micro)
-        batch = {"input_tokens": rng.integers(3, 4000, (micro, seq)).astype(np.int32), "input_mask": np.ones((micro, seq), np.int32),
-                 "segment_ids": np.ones((micro, seq), np.int32),
-                 "positions": np.broadcast_to(np.arange(seq), (micro, seq)).astype(np.int32)}
-        loaded = load_model(str(model_dir), dtype="bfloat16")  # again for each: a trained model's arrays are donated
-        model = apply_lora(loaded.model, LoraSpec(rank=16, alpha=32.0), loaded.family, seed=0).model
-        remat.apply(model, policy)
-        trainer = make_trainer(model, TrainingSpec(steps=100, learning_rate=1e-4, schedule="constant"), splash=kernel == "splash")
-
-        def step() -> float:
-            start = time.perf_counter()
-            trainer.train([dict(batch)])
-            float(trainer.train_aux[-1]["loss"])
-            return time.perf_counter() - start
-
-        compile_seconds = step()
-        seconds = statistics.median(step() for _ in range(5))
+        batch = _study_batch(micro, seq, seed=micro)
+        trainer, loaded = _study_trainer(model_dir, policy, splash=kernel == "splash")
+        compile_seconds = _timed_step(trainer, [batch])
+        seconds = statistics.median(_timed_step(trainer, [batch]) for _ in range(5))
         tokens_per_second = micro * seq / seconds
         flops = train._flops_per_token(trainer.model, loaded.hf_config, seq)
         rows.append({"attention": kernel, "remat": policy, "micro": micro, "step": seconds, "tokens_per_second": tokens_per_second,
                      "mfu": tokens_per_second * flops / PEAK, "compile": compile_seconds,
                      "memory": compiled_memory(trainer, {k: jnp.asarray(v) for k, v in batch.items()})})
         print(json.dumps(rows[-1]), flush=True)
-        del trainer, model, loaded
+        del trainer, loaded
         jax.clear_caches()
+    return rows
+
+
+#: (shape, layers, micro-batch, remat, product) of the QLoRA memory study: "lora" is the bf16 base;
+#: "qwix" and "ours" are nf4 QLoRA with Qwix's frozen product or `lora_trainer.quantized_product`.
+QLORA_STUDY = [("1b", 4, 4, "dots", "lora"), ("1b", 4, 4, "dots", "qwix"), ("1b", 4, 4, "dots", "ours"),
+               ("8b", 2, 2, "full", "ours"), ("8b", 4, 2, "full", "ours")]
+
+
+def qlora_memory(work: Path, seq: int = 2048) -> list[dict[str, Any]]:
+    """Compiled memory (arguments, temporaries) and step time of the QLoRA step against LoRA, by frozen
+    product, on few layers: the per-layer growth says what a whole model needs."""
+    import jax
+    import jax.numpy as jnp
+    from qwix._src.core import dot_general as qwix_dot_general
+    from qwix._src.core import einsum as qwix_einsum
+
+    from lora_trainer import quantized_product
+    from lora_trainer.config import QuantizationSpec
+
+    ours = quantized_product.dot_general, quantized_product.einsum
+    rows = []
+    for shape, layers, micro, policy, product in QLORA_STUDY:
+        batch = _study_batch(micro, seq)
+        quantized_product.dot_general, quantized_product.einsum = (
+            (qwix_dot_general.dot_general, qwix_einsum.einsum) if product == "qwix" else ours)
+        quantization = None if product == "lora" else QuantizationSpec(weight_qtype="nf4", tile_size=64)
+        try:
+            trainer, _ = _study_trainer(_study_model(work, shape, layers), policy, splash=jax.default_backend() == "tpu",
+                                        quantization=quantization)
+        finally:
+            quantized_product.dot_general, quantized_product.einsum = ours
+        trainer.jit_train_and_eval_step()
+        inputs = trainer._prepare_inputs({k: jnp.asarray(v) for k, v in batch.items()})
+        stats = trainer.train_step.lower(trainer.model, trainer.optimizer, inputs).compile().memory_analysis()
+        _timed_step(trainer, [batch])
+        rows.append({"shape": shape, "layers": layers, "micro": micro, "remat": policy, "product": product,
+                     "arguments_gib": stats.argument_size_in_bytes / 2**30, "temporaries_gib": stats.temp_size_in_bytes / 2**30,
+                     "step": statistics.median(_timed_step(trainer, [batch]) for _ in range(3))})
+        print(json.dumps(rows[-1]), flush=True)
+        del trainer
+        jax.clear_caches()
+    return rows
+
+
+#: How the save thread hands a snapshot to Orbax: no save; device arrays (with Python's default and a
+#: 0.1 ms GIL switch interval); host arrays from one `jax.device_get` (what `async_saves` does).
+SAVE_MODES = ["none", "device-arrays", "device-arrays-fast-switch", "host-arrays"]
+
+
+def save_overlap(work: Path, shape: str = "3b", layers: int = 8, micro: int = 2, accumulation: int = 4,
+                 steps: int = 10, seq: int = 2048) -> list[dict[str, Any]]:
+    """What a save on the background thread adds to the steps it overlaps, by what it hands Orbax:
+    a snapshot every 4 steps, copied on the device as `async_saves` does, saved by the real
+    `checkpoint.TrainingCheckpoints` on one thread while the next steps run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+
+    from lora_trainer import async_saves, checkpoint, checkpoint_metadata, tunix_trainer
+    from lora_trainer.lora import lora_state
+
+    trainer, _ = _study_trainer(_study_model(work, shape, layers), "dots", splash=jax.default_backend() == "tpu")
+    micro_batches = [_study_batch(micro, seq, seed=i) for i in range(accumulation)]
+    compile_seconds = _timed_step(trainer, micro_batches)
+    metadata = {k: "study" for k in checkpoint_metadata.METADATA_KEYS}
+    thread = ThreadPoolExecutor(max_workers=1)
+    rows = []
+    for mode in SAVE_MODES:
+        sys.setswitchinterval(1e-4 if mode.endswith("fast-switch") else 0.005)
+        store = checkpoint.TrainingCheckpoints(str(work / f"saves-{mode}"), keep=2)
+
+        def save(snapshot: dict[str, Any], step: int, mode: str = mode, store: Any = store) -> float:
+            start = time.perf_counter()
+            if mode == "host-arrays":
+                snapshot = async_saves._on_host(snapshot)
+            store.save(step, lora=snapshot["lora"], optimizer=snapshot["optimizer"], data={}, metadata=metadata)
+            return time.perf_counter() - start
+
+        times, saved, handoffs = [], [], []
+        for i in range(steps):
+            if mode != "none" and i % 4 == 2:
+                snapshot = {"lora": async_saves._device_copy(lora_state(trainer.model)),
+                            "optimizer": async_saves._device_copy(tunix_trainer.optimizer_state(trainer))}
+                handoffs.append(thread.submit(save, snapshot, i))
+                saved.append(i)
+            times.append(_timed_step(trainer, micro_batches))
+        handoff_seconds = [h.result() for h in handoffs]
+        store.wait()
+        rows.append({"mode": mode, "step": statistics.median(t for i, t in enumerate(times) if i not in saved),
+                     "overlapping_steps": [times[i] for i in saved], "handoff_seconds": handoff_seconds,
+                     "arrays": len(jax.tree.leaves(lora_state(trainer.model))) + len(jax.tree.leaves(tunix_trainer.optimizer_state(trainer))),
+                     "compile": compile_seconds})
+        print(json.dumps(rows[-1]), flush=True)
+    sys.setswitchinterval(0.005)
     return rows
 
 
@@ -471,6 +590,8 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="first compare the splash kernel with the XLA attention")
     p.add_argument("--write", action="store_true", help="rewrite the TPU section of docs/benchmarks.md")
     p.add_argument("--study", action="store_true", help="first time the step's variants on a 4-layer 1B (STUDY)")
+    p.add_argument("--qlora-memory", action="store_true", help="first compare QLoRA's compiled memory by frozen product (QLORA_STUDY)")
+    p.add_argument("--save-overlap", action="store_true", help="first time the steps a save overlaps, by what Orbax is given (SAVE_MODES)")
     p.add_argument("--full-ft-worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.full_ft_worker:
@@ -481,16 +602,14 @@ def main() -> None:
     if args.check:
         results.append({"splash_check": check_splash()})
         print(json.dumps(results[-1]), flush=True)
-    if args.study:
-        results.append({"study": study(args.work)})
-        (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    for name, run in (("study", study), ("qlora_memory", qlora_memory), ("save_overlap", save_overlap)):
+        if getattr(args, name):
+            results.append({name: run(args.work)})
+            (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     for case in filter(None, args.cases.split(",")):
-        results.append(run_case(case, args.work, args.timeout, restart=not args.no_restart))
+        results.append(run_case(case, args.work, args.out, args.timeout, restart=not args.no_restart))
         print(json.dumps(results[-1], default=str)[:3000], flush=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-        with (args.out / "logs.txt").open("a") as f:
-            for log in sorted(args.work.glob(f"{case}*.log")):
-                f.write(f"===== {log.name}\n{log.read_text()[-20000:]}\n")
     print(table(results))
     if args.write:
         report.write_section(SECTION, f"{SECTION}\n\n{table(results)}\n")
