@@ -342,3 +342,37 @@ def test_tokenizer_comes_from_the_model_dir_only(tmp_path, tok):
     (tmp_path / "model" / "tokenizer.json").write_text('{"garbage": 1}')  # valid JSON, not a tokenizer
     with pytest.raises(UserError, match="cannot load the tokenizer"):
         data.load_tokenizer(tmp_path / "model")
+
+
+class _CountingTokenizer:
+    """A tokenizer that counts its calls: a batch (list) or one text."""
+
+    def __init__(self, tok):
+        self.tok, self.batches, self.texts = tok, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __call__(self, text, **kwargs):
+        if isinstance(text, list):
+            self.batches += 1
+        else:
+            self.texts += 1
+        return self.tok(text, **kwargs)
+
+
+@pytest.mark.parametrize("spec", [_spec(format="text"), _spec()], ids=["text", "prompt-completion"])
+def test_a_files_texts_are_encoded_in_one_batch_with_the_same_ids(tmp_path, tok, spec):
+    """The file's texts go to the tokenizer in one batch call (every core encodes), and each example is
+    what `tokenize_row` makes of its row alone; a bad row still stops it at its line."""
+    rows = [{"text": f"row {i} " + "the quick brown fox " * (i % 7), "prompt": f"Question {i}?", "completion": f" Answer {i}."}
+            for i in range(40)]
+    uri = _write_jsonl(tmp_path / "d.jsonl", rows)
+    counting = _CountingTokenizer(tok)
+    got = data.tokenize_file(uri, spec, counting)
+    assert (counting.batches, counting.texts) == (1, 0)
+    want = [data.tokenize_row(r, spec, tok, f"{uri} line {n}") for n, r in enumerate(rows, 1)]
+    assert [(e.tokens.tolist(), e.loss_mask.tolist()) for e in got.examples] == [(e.tokens.tolist(), e.loss_mask.tolist()) for e in want]
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [*rows[:3], {"other": 1}, *rows[3:]])
+    with pytest.raises(UserError, match=r"bad\.jsonl line 4: missing field"):
+        data.tokenize_file(bad, spec, tok)
