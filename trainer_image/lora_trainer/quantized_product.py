@@ -11,8 +11,11 @@ layer added 322 MB of temporaries against LoRA's 113 MB.
 
 Here the backward pass takes the quantized weight through an optimization barrier together with
 the cotangent `g`: its dequantization is a different computation, which XLA can neither merge
-with the forward's nor run before `g` exists, so one layer's dequantized weights are live at a
-time. Forward values are Qwix's exactly (Qwix's function runs), and so is the activation
+with the forward's nor run before `g` exists; the forward's passes a barrier with its input `x` in
+the same way, so it is not computed ahead of its layer either. Measured on the chip with the MLP's
+products going through here: 4 layers' temporaries fell from 6.81 to 5.00 GiB (LoRA: 4.40). XLA:CPU
+drops optimization barriers before merging, so CPU memory does not show the difference; the tests
+check the program JAX lowers. Forward values are Qwix's exactly (Qwix's function runs), and so is the activation
 gradient (the transpose of that same function). The base is frozen in QLoRA: the quantized
 weight's cotangent is zero.
 """
