@@ -40,24 +40,26 @@ def _copies(arrays: list[jax.Array]) -> list[jax.Array]:
     return [jnp.copy(x) for x in arrays]
 
 
+def _each_array(tree: Any, take: Any, transform: Any) -> Any:
+    """`tree` with its arrays that `take` accepts replaced by `transform` of them all at once (one
+    program or one transfer, never one per array)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and take(x)]
+    for i, new in zip(where, transform([leaves[i] for i in where]), strict=True):
+        leaves[i] = new
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def _device_copy(tree: Any) -> Any:
     """A copy of every array, made on its device in one program (not one dispatch per array: a
     1B model's adapter and optimizer state are ~700 arrays), enqueued before the next step
     donates the originals."""
-    leaves, treedef = jax.tree.flatten(tree)
-    where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-    for i, copy in zip(where, _copies([leaves[i] for i in where]), strict=True):
-        leaves[i] = copy
-    return jax.tree.unflatten(treedef, leaves)
+    return _each_array(tree, lambda x: True, _copies)
 
 
 def _on_host(snapshot: dict[str, Any]) -> dict[str, Any]:
     """`snapshot` with every array this process wholly holds copied to the host in one batched transfer."""
-    leaves, treedef = jax.tree.flatten(snapshot)
-    where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.is_fully_addressable]
-    for i, host in zip(where, jax.device_get([leaves[i] for i in where]), strict=True):
-        leaves[i] = host
-    return jax.tree.unflatten(treedef, leaves)
+    return _each_array(snapshot, lambda x: x.is_fully_addressable, jax.device_get)
 
 
 class AsyncSaves:
