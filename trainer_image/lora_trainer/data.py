@@ -310,29 +310,27 @@ class _BatchEncoded:
         return self._tokenizer(text, add_special_tokens=add_special_tokens, **kwargs)
 
 
-def _texts(rows: list[tuple[int, str | dict[str, Any]]], indices: range, uri: str, spec: DatasetSpec) -> list[str]:
-    """The strings `tokenize_row` will encode one by one (text and prompt-completion rows); a row that
-    is not valid yet is left for `tokenize_row` to report, in file order."""
+def _texts(parsed: list[tuple[int, dict[str, Any]]], spec: DatasetSpec) -> list[str]:
+    """The strings `tokenize_row` will encode one by one (text and prompt-completion rows); a field
+    that is not a string is left for `tokenize_row` to report, in file order."""
     fields = {"text": (spec.text_field,), "prompt-completion": (spec.prompt_field, spec.completion_field)}.get(spec.format, ())
-    texts = []
-    for i in indices if fields else ():
-        n, raw = rows[i]
-        try:
-            row = _parsed(uri, n, raw)
-        except UserError:
-            continue
-        texts.extend(row[f] for f in fields if isinstance(row.get(f), str))
-    return texts
+    return [row[f] for _, row in parsed for f in fields if isinstance(row.get(f), str)]
 
 
 def _tokenize_share(rows: list[tuple[int, str | dict[str, Any]]], uri: str, spec: DatasetSpec, tokenizer: Any, share: Share) -> _Part:
     kept, examples, truncated, skipped = [], [], 0, 0
-    indices = range(share.index, len(rows), share.count)
-    tokenizer = _BatchEncoded(tokenizer, _texts(rows, indices, uri, spec))
-    for i in indices:
-        n, row = rows[i]
+    parsed, unparsable = [], None  # the share's rows up to the first that is not a JSON object, parsed once
+    for i in range(share.index, len(rows), share.count):
+        n, raw = rows[i]
         try:
-            ex = tokenize_row(_parsed(uri, n, row), spec, tokenizer, f"{uri} line {n}")
+            parsed.append((i, _parsed(uri, n, raw)))
+        except UserError as e:
+            unparsable = (i, str(e))
+            break
+    tokenizer = _BatchEncoded(tokenizer, _texts(parsed, spec))
+    for i, row in parsed:
+        try:
+            ex = tokenize_row(row, spec, tokenizer, f"{uri} line {rows[i][0]}")
         except UserError as e:  # this share's first bad row; an earlier one may be in another share
             return _Part(kept, examples, truncated, skipped, (i, str(e)))
         if len(ex.tokens) > spec.max_seq_len:
@@ -343,7 +341,7 @@ def _tokenize_share(rows: list[tuple[int, str | dict[str, Any]]], uri: str, spec
             continue
         kept.append(i)
         examples.append(ex)
-    return _Part(kept, examples, truncated, skipped, None)
+    return _Part(kept, examples, truncated, skipped, unparsable)
 
 
 def _encode(part: _Part) -> bytes:
