@@ -3,6 +3,8 @@ the compiled backward pass keeps (so none of them is silently ignored)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,9 @@ import pytest
 from flax import nnx
 from trainer_fixtures import hlo_dots
 
-from lora_trainer.config import LoraSpec, TrainingSpec
+from jax._src.ad_checkpoint import saved_residuals
+
+from lora_trainer.config import LoraSpec, QuantizationSpec, TrainingSpec
 from lora_trainer.lora import apply_lora
 from lora_trainer.loss import lm_loss, model_inputs
 from lora_trainer.models import load_model, remat
@@ -60,6 +64,45 @@ def test_every_policy_gives_the_same_loss_and_gradients_and_changes_the_program(
     assert temps["none"] > temps["dots"], temps
 
 
+@pytest.mark.parametrize("quantization", [None, QuantizationSpec(weight_qtype="nf4", tile_size=16)], ids=["bf16", "nf4"])
+def test_dots_keeps_a_16_bit_models_products_rather_than_run_them_again(tmp_path, quantization) -> None:  # noqa: ANN001
+    """A bfloat16 model's products are custom_vjp functions (the base's, the quantized base's, the
+    LoRA delta's), which a remat policy cannot see: `dots` must still keep every adapted projection's
+    output and not run the forward's products again. Before the products were tagged, `dots` kept
+    none of them and compiled to as many dots as `full` (a LoRA step at a full fine-tune's cost)."""
+    source = make_tiny_hf_model("llama3", tmp_path / "llama3", seed=0, num_hidden_layers=2)
+    loaded = load_model(str(source), dtype="bfloat16")
+    model = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0, quantization=quantization), loaded.family, seed=0).model
+    inputs = _batch()
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    def loss(lora: nnx.State) -> jax.Array:
+        return lm_loss(nnx.merge(graphdef, lora, rest, copy=True), **inputs)[0]
+
+    kept, dots = {}, {}
+    for policy in ("none", "dots", "full"):
+        remat.apply(model, policy)
+        graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+        kept[policy] = sum(f"named '{remat.PRODUCTS}'" in what for _, what in saved_residuals(loss, lora))
+        hlo = _loss_and_grads.lower(model, inputs).compile().as_text()
+        dots[policy] = Counter((tuple(out), tuple(lhs[1]), tuple(rhs[1])) for out, lhs, rhs in hlo_dots(hlo))
+    remat.apply(model, "none")
+    # q, k, v, o, gate and up of both layers (down's output only enters the residual sum, whose
+    # backward needs no values); `none` keeps what it keeps outside any policy.
+    assert kept["dots"] >= 2 * 6 and kept["dots"] > kept["none"], kept
+    assert kept["full"] <= 1, kept  # the LM head's logits at most: they are outside the layers
+
+    def rerun(policy: str) -> list[tuple]:
+        """Dots `policy` runs beyond `none`'s (shapes only: XLA:CPU picks operand types by program),
+        leaving out the rank-r products x @ A (inside the LoRA delta's custom_vjp; rank-sized) and
+        attention's batched dots (`dots_with_no_batch_dims` leaves those to recompute too)."""
+        extra = dots[policy] - dots["none"]
+        return [d for d in extra.elements() if len(d[0]) == 2 and "4" not in d[0]]
+
+    assert rerun("full"), "`full` must run the forward's weight products again"
+    assert not rerun("dots"), rerun("dots")
+
+
 @pytest.mark.slow
 def test_the_train_step_trains_alike_under_every_policy(tmp_path) -> None:  # noqa: ANN001
     """The production step (Tunix's jitted train step over the remat'd layers) under each policy."""
@@ -81,6 +124,6 @@ def test_the_train_step_trains_alike_under_every_policy(tmp_path) -> None:  # no
     np.testing.assert_allclose(losses["full"], losses["none"], rtol=1e-5)
 
 
-def test_auto_is_dots_on_tpu_and_none_elsewhere() -> None:
-    assert remat.resolve("auto", "tpu") == "dots" and remat.resolve("auto", "cpu") == "none"
+def test_auto_is_full_on_tpu_and_none_elsewhere() -> None:
+    assert remat.resolve("auto", "tpu") == "full" and remat.resolve("auto", "cpu") == "none"
     assert remat.resolve("full", "cpu") == "full" and remat.resolve("none", "tpu") == "none"

@@ -24,6 +24,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from lora_trainer.models.remat import PRODUCTS
 
 DotDims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
@@ -158,4 +161,9 @@ def dot_general(
         return jax.lax.dot_general(
             lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding
         )
-    return accumulating_dot_general(lhs, rhs, _canonical(dimension_numbers)).astype(out)
+    dims = _canonical(dimension_numbers)
+    product = accumulating_dot_general(lhs, rhs, dims).astype(out)
+    (_, _), (lhs_batch, _) = dims
+    if out == lhs.dtype and not lhs_batch:  # a rounded weight product: what `dots` keeps of a plain dot
+        return checkpoint_name(product, PRODUCTS)
+    return product

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from qwix._src.core import qarray
 from qwix._src.providers import lora as qwix_lora
 from qwix._src.providers import ptq
@@ -37,6 +38,7 @@ from qwix._src.utils import flax_util
 
 from lora_trainer import accumulating_dot, quantized_product
 from lora_trainer.accumulating_dot import contract
+from lora_trainer.models.remat import PRODUCTS
 
 
 class _Subscripts(NamedTuple):
@@ -183,6 +185,16 @@ def _weight_name(rule: Any, rhs: Any) -> str | None:
     return flax_util.find_param(rhs, ptq.WithAux) if isinstance(rule, qwix.LoraRule) else None
 
 
+def _adapted(total: jax.Array, dtype: Any) -> jax.Array:
+    """An adapted projection's output (frozen product + delta) in `dtype`, tagged for `training.remat: dots`.
+
+    The frozen product and the delta come from custom_vjp functions, which a remat policy cannot
+    see into: tagged, the rounded sum is kept (what a plain model keeps of the same projection),
+    and neither the float32 parts nor the matmuls behind them are saved or recomputed.
+    """
+    return checkpoint_name(total.astype(dtype), PRODUCTS)
+
+
 class _CompiledQuantize:
     """Qwix's `qarray` module, with `quantize` compiled once per way of quantizing and shape.
 
@@ -272,7 +284,7 @@ class LoraProvider(qwix.LoraProvider):
         spec = dot_general_spec(lhs.ndim, lhs_ca, lhs_ba, len(remain_shape))
         a = jnp.reshape(lora_a, (*batch_shape, *contract_shape, rule.rank))
         b = jnp.reshape(lora_b, (*batch_shape, rule.rank, *remain_shape))
-        return (res + lora_delta(spec, lhs, a, b, rule.alpha / rule.rank)).astype(out_dtype)
+        return _adapted(res + lora_delta(spec, lhs, a, b, rule.alpha / rule.rank), out_dtype)
 
     def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> jax.Array:
         """The frozen (possibly quantized) einsum plus the LoRA delta (Qwix's shapes and params)."""
@@ -302,4 +314,4 @@ class LoraProvider(qwix.LoraProvider):
             delta = jnp.einsum(lora_spec, lhs, lora_a, lora_b, **kwargs) * scale
         else:
             delta = lora_delta(lora_spec, lhs, lora_a, lora_b, scale)
-        return (res + delta).astype(out_dtype)
+        return _adapted(res + delta, out_dtype)
