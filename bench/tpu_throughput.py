@@ -615,10 +615,10 @@ def main() -> None:
         argv = [f"--{name.replace('_', '-')}" for name in studies]
         subprocess.run([sys.executable, __file__, *argv, "--cases", "", "--work", str(args.work), "--out", str(child)], check=False)
         results.extend(json.loads((child / "results.json").read_text()) if (child / "results.json").exists() else [])
-        studies = []
-    for name in studies:
-        results.append({name: STUDIES[name](args.work)})
-        (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    else:
+        for name in studies:
+            results.append({name: STUDIES[name](args.work)})
+            (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     for case in filter(None, args.cases.split(",")):
         results.append(run_case(case, args.work, args.out, args.timeout, restart=not args.no_restart))
         print(json.dumps(results[-1], default=str)[:3000], flush=True)

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from trainer_fixtures import hlo_dots
-
 from jax._src.ad_checkpoint import saved_residuals
+from trainer_fixtures import hlo_dots
 
 from lora_trainer.config import LoraSpec, QuantizationSpec, TrainingSpec
 from lora_trainer.lora import apply_lora
@@ -74,9 +73,8 @@ def test_dots_keeps_a_16_bit_models_products_rather_than_run_them_again(tmp_path
     loaded = load_model(str(source), dtype="bfloat16")
     model = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0, quantization=quantization), loaded.family, seed=0).model
     inputs = _batch()
-    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
 
-    def loss(lora: nnx.State) -> jax.Array:
+    def loss(lora: nnx.State) -> jax.Array:  # the model as split below, under the policy being checked
         return lm_loss(nnx.merge(graphdef, lora, rest, copy=True), **inputs)[0]
 
     kept, dots = {}, {}
