@@ -91,6 +91,8 @@ TABLE: dict[str, tuple[BaseException, bool, bool, type | None, str]] = {
     "403 (TensorStore)": (_ts("PERMISSION_DENIED: Error writing: HTTP response code: 403 with body: denied"), True, False, U, "was denied"),
     "401 (TensorStore)": (_ts("UNAUTHENTICATED: no token"), True, False, U, "was denied"),
     "404 bucket (TensorStore)": (_ts("NOT_FOUND: Error writing: HTTP response code: 404"), True, True, U, "bucket 'bucket' does not exist"),
+    "directory gone under a save's commit (Orbax)": (ValueError(f"Checkpoint directory does not exist: {URI}/4/lora."), True, False, R, "an object was gone"),
+    "directory missing, reading (Orbax)": (ValueError(f"Checkpoint directory does not exist: {URI}/4/lora."), False, False, U, "does not exist"),
     "bad bucket name (TensorStore)": (_ts('INVALID_ARGUMENT: Invalid GCS bucket name: "b"'), True, False, U, "storage refused a request"),
     "permission denied (local)": (PermissionError(errno.EACCES, "Permission denied", "/data"), False, False, U, "was denied"),
     "disk full (local)": (OSError(errno.ENOSPC, "No space left on device", "/tmp/x"), True, False, U, "the disk is full"),

@@ -43,6 +43,10 @@ _TRANSIENT_TEXT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "AB
 _REFUSED_TEXT = ("INVALID_ARGUMENT", "Invalid GCS bucket name")
 #: Markers of a refused request in TensorStore's and gcsfs's text (absl codes; gcsfs's 403 `OSError("Forbidden: ...")`).
 _DENIED_TEXT = ("PERMISSION_DENIED", "UNAUTHENTICATED", "Forbidden:")
+#: Markers of a missing object or directory in TensorStore's and Orbax's text (absl's code; Orbax's
+#: `ValueError("Checkpoint directory does not exist: gs://...")`, met when a brownout hides the
+#: directory its own save is finalizing).
+_MISSING_TEXT = ("NOT_FOUND", "Checkpoint directory does not exist")
 #: Local errors that the same run meets again: no space, over quota, a read-only file system.
 _LOCAL_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted", errno.EROFS: "the file system is read-only"}
 
@@ -115,7 +119,7 @@ def classify(
         return _credentials_refused(exc, uri)
     if status in (401, 403) or isinstance(exc, PermissionError) or any(m in text for m in _DENIED_TEXT):
         return _denied(uri, subject, detail)
-    if status == 404 or (uri.startswith("gs://") and isinstance(exc, FileNotFoundError)) or "NOT_FOUND" in text:
+    if status == 404 or (uri.startswith("gs://") and isinstance(exc, FileNotFoundError)) or any(m in text for m in _MISSING_TEXT):
         return _missing(exc, uri, subject, writing, bucket_missing)
     if status is not None and status < 500:
         return UserError(f"storage refused a request for {subject} ({detail}): check the URI", uri=uri)
