@@ -77,30 +77,6 @@ def test_train_step_compiles_once_on_a_mesh():
     assert len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
-def test_a_steps_micro_batches_are_dispatched_without_waiting_for_each_other():
-    """Tunix keeps at most `max_inflight_computations` micro-batches in flight (its default 2): the
-    loop then waited on the chip before dispatching each further micro-batch, needing the GIL at
-    that moment, which a checkpoint's save thread delayed (docs/benchmarks.md, "TPU"). All of a
-    step's micro-batches go out at once; the step still ends when all have run."""
-    mesh = distributed.make_mesh(MeshSpec())
-    loaded = load_model(str(tiny_llama()), dtype="float32", mesh=mesh)
-    model = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0).model
-    with _legacy_mesh_context(mesh):
-        trainer = make_trainer(model, TrainingSpec(steps=10, global_batch_size=16, gradient_accumulation=4, learning_rate=0.01))
-        throttler, waits = trainer._throttler, []
-        wait_for_next = throttler.wait_for_next
-
-        def recording() -> None:
-            waits.append(throttler._inflight_queue is not None and throttler._inflight_queue.full())
-            wait_for_next()
-
-        throttler.wait_for_next = recording
-        trainer.train([_batch() for _ in range(4)])
-        trainer.train([_batch() for _ in range(4)])
-    assert len(waits) == 8 and not any(waits), waits
-    assert all(a["loss"].is_ready() for a in trainer.train_aux)
-
-
 def test_train_and_eval_steps_write_no_copy_of_the_base_weights():
     """`nnx.jit` returns the whole model from each step; undonated, every train and eval step wrote
     a fresh copy of the frozen weights (a Qwen2.5-0.5B-shaped model: 7.4 instead of 3.1 GB of host

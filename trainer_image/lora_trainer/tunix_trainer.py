@@ -122,12 +122,6 @@ def make_trainer(model: nnx.Module, t: TrainingSpec, *, splash: bool = False, in
             checkpoint_root_directory=None,
             data_sharding_axis=tuple(_BATCH),
             pbar_description=None,
-            # Every micro-batch of a step dispatched at once (Tunix: 2 in flight). With 2, the loop's
-            # thread must get the GIL once per micro-batch, in time, while a checkpoint's save thread
-            # runs Orbax's Python: on the chip a save stretched its step by 0.8 s (1B, 2 x 4) to 2.7 s
-            # (3B, 1 x 8), growing with the micro-batches per step. Queued micro-batches cost only
-            # their few-KB inputs; `train()` still waits for all of them at the end of the step.
-            max_inflight_computations=t.gradient_accumulation,
         ),
     )
     inputs = functools.partial(model_inputs, splash=splash, interpret=interpret)
