@@ -1,6 +1,8 @@
 """Fixtures shared by every test directory."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 from lora_trainer import host_memory
@@ -13,6 +15,7 @@ host_memory.retain_freed_memory()
 # these when first imported, so they are set before any test module imports transformers.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="lora-tests-hf-cache-")
+atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], True)  # one per session, not left behind
 
 # The GCS emulator fixture (`gcs_bucket`) lives in tests/gcs_emulator.py; registering it
 # here makes it one server per session instead of one per importing module.
