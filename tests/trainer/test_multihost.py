@@ -212,3 +212,32 @@ def test_qlora_trains_sharded_by_fsdp_and_by_tp(tmp_path):
     assert len(losses["one"]) == 3 and all(np.isfinite(losses["one"]))
     for name in ("fsdp", "tp"):
         assert losses[name] == pytest.approx(losses["one"], rel=1e-4), losses
+
+
+@pytest.mark.slow
+def test_scanned_layers_stack_across_two_processes_and_train_the_unrolled_adapter(tmp_path):
+    """`training.scanLayers` on a 2-process fsdp mesh: each weight is stacked where it lies, as one
+    global array sharded like the weight (every process runs the same stacking), and the run trains
+    the adapter one unrolled process with two devices does."""
+    from lora_trainer.tiny_models import make_tiny_hf_model
+
+    model = make_tiny_hf_model("llama3", tmp_path / "two-layers", seed=0, num_hidden_layers=2)
+    paths = {}
+    for name, scan in (("one", False), ("two", True)):
+        cfg = train_config(tmp_path / name, str(tmp_path / name / "out"), steps=3, checkpointEvery=3, scanLayers=scan)
+        cfg["model"]["source"] = str(model)
+        paths[name] = write_config(tmp_path / f"{name}.json", cfg)
+    common = _gloo_env()
+    procs = [
+        start_trainer(paths["one"], tmp_path / "one.log", JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu"),
+        start_trainer(paths["two"], tmp_path / "p0.log", JAX_PROCESS_ID="0", **common),
+        start_trainer(paths["two"], tmp_path / "p1.log", JAX_PROCESS_ID="1", **common),
+    ]
+    finish(procs, timeout=400)
+    logs = {n: (tmp_path / f"{n}.log").read_text() for n in ("one", "p0", "p1")}
+    assert [p.returncode for p in procs] == [exit_codes.OK] * 3, {n: log[-3000:] for n, log in logs.items()}
+    assert "2 decoder layers, scanned" in logs["p0"] and "2 decoder layers, unrolled" in logs["one"]
+    a, _ = checkpoint.read_lora(str(tmp_path / "one" / "out" / "checkpoints"))
+    b, _ = checkpoint.read_lora(str(tmp_path / "two" / "out" / "checkpoints"))
+    assert len(a) == 14 and a.keys() == b.keys()
+    assert max(float(np.max(np.abs(a[m][n] - b[m][n]))) for m in a for n in a[m]) <= 1e-6

@@ -42,7 +42,7 @@ from lora_trainer.async_saves import AsyncSaves
 from lora_trainer.config import TrainConfig, TrainingSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora, lora_state, resolve_target_regex, set_lora_state
-from lora_trainer.models import LoadedModel, load_model, remat
+from lora_trainer.models import LoadedModel, layer_stack, load_model, remat
 from lora_trainer.models.loading import host_device, place_on_mesh
 from lora_trainer.models.attention import choose_kernel, padded_length
 from lora_trainer.progress import IntervalTimer, ProgressCallback, ProgressSink, progress_record
@@ -365,7 +365,8 @@ class _Run:
             log.info("starting from the adapter in %s", cfg.lora.restore_from)
         policy = remat.resolve(cfg.training.remat, self.backend)
         layers = remat.apply(applied.model, policy)
-        log.info("attention: %s kernel; rematerialisation: %s (%d decoder layers)", self.kernel, policy, layers)
+        loop = layer_stack.apply(applied.model, cfg.training.scan_layers)
+        log.info("attention: %s kernel; rematerialisation: %s; %d decoder layers, %s", self.kernel, policy, layers, loop)
         return applied.model
 
     def _resume(self, store: checkpoint.TrainingCheckpoints, trainer: tunix_trainer.LoraPeftTrainer,

@@ -58,7 +58,7 @@ def resolve(setting: Remat, backend: str) -> str:
 def apply(model: nnx.Module, policy: str) -> int:
     """Set `policy` (a resolved name) on every decoder layer of `model`; returns how many layers took it.
 
-    Layers come from the families' `common.use_remat` seam; `none` restores Tunix's behaviour.
+    Layers come from the families' `common.use_decoder_layer` seam; `none` restores Tunix's behaviour.
     """
     layers = [m for _, m in nnx.iter_modules(model) if hasattr(type(m), "remat_policy")]
     for layer in layers:

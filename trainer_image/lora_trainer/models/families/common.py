@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lora_trainer.errors import UserError
-from lora_trainer.models import remat
+from lora_trainer.models import layer_stack, remat
 from lora_trainer.models.mapping import head_dim
 
 
@@ -50,13 +50,16 @@ def use_attention(module: ModuleType, attention: type) -> None:
         module.Attention = attention
 
 
-def use_remat(module: ModuleType) -> None:
-    """Make the Tunix model `module` build decoder layers that rematerialise by `models.remat`'s policies.
+def use_decoder_layer(module: ModuleType) -> None:
+    """Make the Tunix model `module` build decoder layers that rematerialise by `models.remat`'s
+    policies and take part in a scanned forward pass (`models.layer_stack`).
 
     Tunix's layers only know "remat the whole layer" (its `RematConfig`, fixed when the model is
     built); the subclass reads a policy name set on each layer after loading (`remat.apply`),
     so one loaded model serves training with any `training.remat` and the forward-only paths
-    (export, scoring) never pay for it. The same kind of seam as `use_attention`. Idempotent.
+    (export, scoring) never pay for it. Tunix's layer loop is kept: in a scanned pass the first
+    layer runs the scan and the others pass through. The same kind of seam as `use_attention`.
+    Idempotent.
     """
     if getattr(module.DecoderLayer, "remat_policy", False) is not False:
         return
@@ -65,7 +68,12 @@ def use_remat(module: ModuleType) -> None:
         remat_policy: str | None = None
         """A name in `remat.POLICIES`, or None: Tunix's own behaviour."""
 
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> Any:
+            scanned = layer_stack.scanned_call(self, x, args, kwargs)
+            return self.unscanned_call(x, *args, **kwargs) if scanned is None else scanned
+
+        def unscanned_call(self, *args: Any, **kwargs: Any) -> Any:
+            """This one layer's forward pass (Tunix's), rematerialised by its policy."""
             if self.remat_policy is None:
                 return super().__call__(*args, **kwargs)
             return nnx.remat(type(self).block, policy=remat.POLICIES[self.remat_policy])(self, *args, **kwargs)

@@ -17,7 +17,8 @@ from tunix.models.llama3 import model as tunix_llama3
 
 from lora_trainer.models import rope
 from lora_trainer.models.attention import causal_gqa_attention
-from lora_trainer.models.families.common import decoder_dims, require, use_attention, use_remat
+from lora_trainer.models.layer_stack import ScansLayers
+from lora_trainer.models.families.common import decoder_dims, require, use_attention, use_decoder_layer
 
 rope.install_seam(tunix_llama3)
 
@@ -37,11 +38,11 @@ class Attention(tunix_llama3.Attention):
 
 
 use_attention(tunix_llama3, Attention)
-use_remat(tunix_llama3)
+use_decoder_layer(tunix_llama3)
 
 
-class Llama3(rope.RopeFromConfig, tunix_llama3.Llama3):
-    """Tunix Llama3 whose attention uses the RopeSpec from config.json."""
+class Llama3(rope.RopeFromConfig, ScansLayers, tunix_llama3.Llama3):
+    """Tunix Llama3 whose attention uses the RopeSpec from config.json, and can scan its layers."""
 
 
 def tunix_config(hf_config: Mapping[str, Any]) -> tunix_llama3.ModelConfig:

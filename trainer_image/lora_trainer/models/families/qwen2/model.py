@@ -18,7 +18,8 @@ from tunix.models.qwen2 import model as tunix_qwen2
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
 from lora_trainer.models.attention import SegmentMask, causal_gqa_attention
-from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention, use_remat
+from lora_trainer.models.layer_stack import ScansLayers
+from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention, use_decoder_layer
 
 
 class Attention(tunix_qwen2.Attention):
@@ -54,7 +55,7 @@ class Attention(tunix_qwen2.Attention):
 
 
 use_attention(tunix_qwen2, Attention)
-use_remat(tunix_qwen2)
+use_decoder_layer(tunix_qwen2)
 einsum_taking_quantized_weights(tunix_qwen2)
 
 
@@ -78,6 +79,10 @@ def tunix_config(hf_config: Mapping[str, Any], dtype: jnp.dtype = jnp.float32) -
     )
 
 
-def build(hf_config: Mapping[str, Any], dtype: jnp.dtype, rngs: nnx.Rngs) -> tunix_qwen2.Qwen2:
+class Qwen2(ScansLayers, tunix_qwen2.Qwen2):
+    """Tunix Qwen2, able to scan its layers."""
+
+
+def build(hf_config: Mapping[str, Any], dtype: jnp.dtype, rngs: nnx.Rngs) -> Qwen2:
     """The NNX model for config.json, computing in `dtype`."""
-    return tunix_qwen2.Qwen2(tunix_config(hf_config, dtype), rngs=rngs)
+    return Qwen2(tunix_config(hf_config, dtype), rngs=rngs)

@@ -17,7 +17,8 @@ from tunix.models.qwen3 import model as tunix_qwen3
 
 from lora_trainer.models import rope
 from lora_trainer.models.attention import causal_gqa_attention
-from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention, use_remat
+from lora_trainer.models.layer_stack import ScansLayers
+from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention, use_decoder_layer
 
 rope.install_seam(tunix_qwen3)
 
@@ -41,12 +42,12 @@ class Attention(tunix_qwen3.Attention):
 
 
 use_attention(tunix_qwen3, Attention)
-use_remat(tunix_qwen3)
+use_decoder_layer(tunix_qwen3)
 einsum_taking_quantized_weights(tunix_qwen3)
 
 
-class Qwen3(rope.RopeFromConfig, tunix_qwen3.Qwen3):
-    """Tunix Qwen3 whose attention uses the RopeSpec from config.json."""
+class Qwen3(rope.RopeFromConfig, ScansLayers, tunix_qwen3.Qwen3):
+    """Tunix Qwen3 whose attention uses the RopeSpec from config.json, and can scan its layers."""
 
 
 def tunix_config(hf_config: Mapping[str, Any], dtype: jnp.dtype = jnp.float32) -> tunix_qwen3.ModelConfig:
