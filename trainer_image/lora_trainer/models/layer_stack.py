@@ -120,8 +120,8 @@ def apply(model: nnx.Module, scan: bool) -> str:
 
 
 def stack_layers(model: nnx.Module) -> str | None:
-    """Move the frozen weights of `model`'s decoder layers into `model.layer_stack`; the reason
-    (for the log) when the layers are not one program and the model stays unrolled.
+    """Move the frozen weights of `model`'s decoder layers into `model.layer_stack`; or, leaving
+    the model as it was, the reason its layers are not one program.
 
     Each weight is stacked where it lies (same mesh, its sharding with the layer axis unsplit) and
     its per-layer arrays are released at once, so memory grows by one weight's stack at most.
