@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lora_trainer.errors import UserError
+from lora_trainer.models.loading import SHARDING_KEYS
 
 #: The layers of the model whose forward pass is being traced scanned (see `ScansLayers`).
 _SCANNING: contextvars.ContextVar[tuple[list[nnx.Module], LayerStack] | None] = contextvars.ContextVar(
@@ -53,15 +54,17 @@ class LayerStack(nnx.Module):
 
 class ScansLayers:
     """Mixin for a family's top model class (before the Tunix class in its bases): with a
-    `layer_stack` set and no KV cache, Tunix's layer loop runs the scan at the first layer and
-    passes through the rest (see `use_decoder_layer`'s decoder layer, which asks `scanned_call`)."""
+    `layer_stack` set, Tunix's layer loop runs the scan at the first layer and passes through the
+    rest (see `use_decoder_layer`'s decoder layer, which asks `scanned_call`). Training and scoring
+    only: decoding with a KV cache needs the layers' own weights."""
 
     layer_stack: LayerStack | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        cache = args[2] if len(args) > 2 else kwargs.get("cache")
-        if self.layer_stack is None or cache is not None:
+        if self.layer_stack is None:
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        if (args[2] if len(args) > 2 else kwargs.get("cache")) is not None:
+            raise NotImplementedError("a scanned model has no KV-cache (decoding) path: its layers hold only LoRA parameters")
         with _scanning(list(self.layers), self.layer_stack):  # type: ignore[attr-defined]
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
@@ -197,12 +200,9 @@ def _stacker(out: jax.sharding.NamedSharding | None) -> Callable[..., jax.Array]
     return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=out)
 
 
-_SHARDING_KEYS = ("out_sharding", "sharding", "sharding_names")
-
-
 def _with_layer_axis(metadata: dict[str, Any]) -> dict[str, Any]:
     """A variable's sharding annotation with the (unsplit) layer axis in front."""
-    return {k: (None, *metadata[k]) for k in _SHARDING_KEYS if metadata.get(k)}
+    return {k: (None, *metadata[k]) for k in SHARDING_KEYS if metadata.get(k)}
 
 
 def _module_attribute(layer: nnx.Module, path: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -83,13 +83,14 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     return cfg
 
 
-_SHARDING_KEYS = ("out_sharding", "sharding", "sharding_names")
+#: Where a Tunix variable's metadata names its sharding axes (the key differs by Flax version and module).
+SHARDING_KEYS = ("out_sharding", "sharding", "sharding_names")
 
 
 def _partition_spec(var: nnx.Variable, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> jax.sharding.PartitionSpec:
     """The parameter's Tunix sharding annotation, keeping only mesh axes that exist and divide the dim."""
     meta = var.get_metadata()
-    names = next((meta[k] for k in _SHARDING_KEYS if meta.get(k)), ())
+    names = next((meta[k] for k in SHARDING_KEYS if meta.get(k)), ())
     axes = []
     for dim, name in zip(shape, tuple(names) + (None,) * (len(shape) - len(names))):
         keep = name is not None and name in mesh.shape and mesh.shape[name] > 1 and dim % mesh.shape[name] == 0
@@ -173,7 +174,7 @@ def _load_weight(
         # The annotation says what was placed: Qwix gives each LoRA factor its weight's annotation
         # and Tunix constrains the optimizer state to it, so an axis that does not divide (3
         # heads over tp=2) raised IndivisibleError at the first step.
-        key = next((k for k in _SHARDING_KEYS if var.get_metadata().get(k)), None)
+        key = next((k for k in SHARDING_KEYS if var.get_metadata().get(k)), None)
         if key is not None:
             var.set_metadata(key, tuple(spec))
     if on_host:
@@ -221,7 +222,7 @@ def place_on_mesh(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
     state = nnx.state(model)
     for _, var in nnx.to_flat_state(state):
         meta = var.get_metadata()
-        names = tuple(next((meta[k] for k in _SHARDING_KEYS if meta.get(k)), ()))
+        names = tuple(next((meta[k] for k in SHARDING_KEYS if meta.get(k)), ()))
         var.set_value(jax.tree.map(lambda leaf, names=names: _leaf_on_mesh(leaf, names, mesh), var.get_value()))
     nnx.update(model, state)
 

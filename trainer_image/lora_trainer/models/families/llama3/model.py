@@ -17,8 +17,8 @@ from tunix.models.llama3 import model as tunix_llama3
 
 from lora_trainer.models import rope
 from lora_trainer.models.attention import causal_gqa_attention
-from lora_trainer.models.layer_stack import ScansLayers
 from lora_trainer.models.families.common import decoder_dims, require, use_attention, use_decoder_layer
+from lora_trainer.models.layer_stack import ScansLayers
 
 rope.install_seam(tunix_llama3)
 

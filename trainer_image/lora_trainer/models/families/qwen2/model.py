@@ -18,8 +18,8 @@ from tunix.models.qwen2 import model as tunix_qwen2
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
 from lora_trainer.models.attention import SegmentMask, causal_gqa_attention
-from lora_trainer.models.layer_stack import ScansLayers
 from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention, use_decoder_layer
+from lora_trainer.models.layer_stack import ScansLayers
 
 
 class Attention(tunix_qwen2.Attention):
