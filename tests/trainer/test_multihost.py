@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,6 +61,19 @@ def _gloo_env() -> dict[str, str]:
     """What each of two local one-device CPU processes needs to join one jax.distributed run (gloo),
     besides its process id."""
     return {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_PROCESS_COUNT": "2", "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def _one_process_and_two(one: str, two: str, logs: Path) -> list[subprocess.Popen[bytes]]:
+    """Run config `one` in one process with two CPU devices and config `two` in two one-device
+    processes joined by gloo (logs `one.log`, `p0.log`, `p1.log` under `logs`); returns them finished."""
+    common = _gloo_env()
+    procs = [
+        start_trainer(one, logs / "one.log", JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu"),
+        start_trainer(two, logs / "p0.log", JAX_PROCESS_ID="0", **common),
+        start_trainer(two, logs / "p1.log", JAX_PROCESS_ID="1", **common),
+    ]
+    finish(procs, timeout=400)
+    return procs
 
 
 _ALLGATHER = """
@@ -136,13 +150,7 @@ def test_tensor_parallelism_across_hosts_feeds_every_host_the_whole_batch(tmp_pa
     (step 1's loss 6.47 against 6.39): the adapter must equal one process with two devices."""
     cfg = train_config(tmp_path, "", steps=3, checkpointEvery=3, mesh={"tp": 2})
     paths = {n: write_config(tmp_path / f"{n}.json", {**cfg, "output": {"uri": str(tmp_path / n)}}) for n in ("one", "two")}
-    common = _gloo_env()
-    procs = [
-        start_trainer(paths["one"], tmp_path / "one.log", JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu"),
-        start_trainer(paths["two"], tmp_path / "p0.log", JAX_PROCESS_ID="0", **common),
-        start_trainer(paths["two"], tmp_path / "p1.log", JAX_PROCESS_ID="1", **common),
-    ]
-    finish(procs, timeout=400)
+    procs = _one_process_and_two(paths["one"], paths["two"], tmp_path)
     codes = [p.returncode for p in procs]
     assert codes == [exit_codes.OK] * 3, {n: (tmp_path / f"{n}.log").read_text()[-3000:] for n in ("one", "p0", "p1")}
     losses = {n: [r["loss"] for r in progress_lines(tmp_path / f"{n}.log")] for n in ("one", "p0")}
@@ -227,13 +235,7 @@ def test_scanned_layers_stack_across_two_processes_and_train_the_unrolled_adapte
         cfg = train_config(tmp_path / name, str(tmp_path / name / "out"), steps=3, checkpointEvery=3, scanLayers=scan)
         cfg["model"]["source"] = str(model)
         paths[name] = write_config(tmp_path / f"{name}.json", cfg)
-    common = _gloo_env()
-    procs = [
-        start_trainer(paths["one"], tmp_path / "one.log", JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu"),
-        start_trainer(paths["two"], tmp_path / "p0.log", JAX_PROCESS_ID="0", **common),
-        start_trainer(paths["two"], tmp_path / "p1.log", JAX_PROCESS_ID="1", **common),
-    ]
-    finish(procs, timeout=400)
+    procs = _one_process_and_two(paths["one"], paths["two"], tmp_path)
     logs = {n: (tmp_path / f"{n}.log").read_text() for n in ("one", "p0", "p1")}
     assert [p.returncode for p in procs] == [exit_codes.OK] * 3, {n: log[-3000:] for n, log in logs.items()}
     assert "2 decoder layers, scanned" in logs["p0"] and "2 decoder layers, unrolled" in logs["one"]
