@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from trainer_fixtures import hlo_dots, parse, train_config
+from trainer_fixtures import hlo_dots, loss_and_lora_grads, parse, random_inputs, train_config
 
 from lora_trainer import checkpoint
 from lora_trainer.config import LoraSpec, QuantizationSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora, lora_state
-from lora_trainer.loss import lm_loss, model_inputs
+from lora_trainer.loss import lm_loss
 from lora_trainer.models import layer_stack, load_model, remat
 from lora_trainer.tiny_models import make_tiny_hf_model
 from lora_trainer.train import run_training
@@ -30,19 +30,6 @@ def _model(source: Path, dtype: str = "float32", **lora: object) -> nnx.Module:
     for path, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
         v.set_value(jnp.asarray(np.random.default_rng(len(str(path))).normal(0, 0.05, v.get_value().shape), v.get_value().dtype))
     return model
-
-
-def _inputs(length: int = 32) -> dict[str, jax.Array]:
-    tokens = np.random.default_rng(0).integers(3, 200, (2, length)).astype(np.int32)
-    ones = np.ones((2, length), np.int32)
-    return model_inputs({"input_tokens": jnp.asarray(tokens), "input_mask": jnp.asarray(ones), "segment_ids": jnp.asarray(ones),
-                         "positions": jnp.asarray(np.broadcast_to(np.arange(length), (2, length)).astype(np.int32))})
-
-
-@nnx.jit
-def _loss_and_grads(model: nnx.Module, inputs: dict[str, jax.Array]) -> tuple[jax.Array, nnx.State]:
-    """Loss and LoRA gradients, as Tunix's train step forms them."""
-    return nnx.value_and_grad(lambda m: lm_loss(m, **inputs)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
 
 
 def _flat(tree: nnx.State) -> dict[str, np.ndarray]:
@@ -65,9 +52,9 @@ def test_a_scanned_model_has_the_unrolled_loss_and_gradients(tmp_path, family, p
     assert lora_state(scanned).keys() == lora_state(unrolled).keys()
     assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(nnx.state(scanned.layer_stack)))
 
-    inputs = _inputs()
-    want_loss, want_grads = _loss_and_grads(unrolled, inputs)
-    got_loss, got_grads = _loss_and_grads(scanned, inputs)
+    inputs = random_inputs()
+    want_loss, want_grads = loss_and_lora_grads(unrolled, inputs)
+    got_loss, got_grads = loss_and_lora_grads(scanned, inputs)
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
     want, got = _flat(want_grads), _flat(got_grads)
     assert got.keys() == want.keys() and len(want) == 3 * 7 * 2
@@ -83,9 +70,9 @@ def test_a_scanned_qlora_model_matches_within_bfloat16(tmp_path) -> None:  # noq
     quantization = QuantizationSpec(weight_qtype="nf4", tile_size=16)
     unrolled, scanned = (_model(source, "bfloat16", quantization=quantization) for _ in range(2))
     assert layer_stack.apply(scanned, True) == "scanned"
-    inputs = _inputs()
-    want_loss, want_grads = _loss_and_grads(unrolled, inputs)
-    got_loss, got_grads = _loss_and_grads(scanned, inputs)
+    inputs = random_inputs()
+    want_loss, want_grads = loss_and_lora_grads(unrolled, inputs)
+    got_loss, got_grads = loss_and_lora_grads(scanned, inputs)
     assert float(got_loss) == pytest.approx(float(want_loss), rel=2e-3)
     want, got = _flat(want_grads), _flat(got_grads)
     for name in want:
@@ -102,7 +89,7 @@ def test_the_scanned_program_holds_one_layer_whatever_the_depth(tmp_path) -> Non
             model = _model(source)
             if scan:
                 layer_stack.apply(model, True)
-            dots[layers, scan] = len(hlo_dots(_loss_and_grads.lower(model, _inputs()).compile().as_text()))
+            dots[layers, scan] = len(hlo_dots(loss_and_lora_grads.lower(model, random_inputs()).compile().as_text()))
     assert dots[4, True] == dots[2, True], dots
     assert dots[4, False] > dots[2, False] > dots[2, True], dots
 
@@ -119,7 +106,7 @@ def test_layers_that_are_not_one_program_are_refused_naming_why(tmp_path) -> Non
         with pytest.raises(UserError, match=r"training.scanLayers is true, but .*" + reason):
             layer_stack.apply(model, True)
         assert getattr(model, "layer_stack", None) is None
-        lm_loss(model, **_inputs())  # still runs unrolled: nothing was moved
+        lm_loss(model, **random_inputs())  # still runs unrolled: nothing was moved
 
 
 def test_a_scanned_run_trains_the_adapter_an_unrolled_run_does(tmp_path) -> None:  # noqa: ANN001

@@ -6,16 +6,15 @@ from __future__ import annotations
 from collections import Counter
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
-from trainer_fixtures import hlo_dots
+from trainer_fixtures import hlo_dots, loss_and_lora_grads, random_inputs
 
 from lora_trainer.config import LoraSpec, QuantizationSpec, TrainingSpec
 from lora_trainer.lora import apply_lora
-from lora_trainer.loss import lm_loss, model_inputs
+from lora_trainer.loss import lm_loss
 from lora_trainer.models import load_model, remat
 from lora_trainer.tiny_models import make_tiny_hf_model
 from lora_trainer.tunix_trainer import make_trainer
@@ -28,28 +27,14 @@ def lora_model(tmp_path_factory: pytest.TempPathFactory) -> nnx.Module:
     return apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0).model
 
 
-def _batch() -> dict[str, jax.Array]:
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(3, 200, (2, 32)).astype(np.int32)
-    ones = np.ones((2, 32), np.int32)
-    return model_inputs({"input_tokens": jnp.asarray(tokens), "input_mask": jnp.asarray(ones), "segment_ids": jnp.asarray(ones),
-                         "positions": jnp.asarray(np.broadcast_to(np.arange(32), (2, 32)).astype(np.int32))})
-
-
-@nnx.jit
-def _loss_and_grads(model: nnx.Module, inputs: dict[str, jax.Array]) -> tuple[jax.Array, nnx.State]:
-    """Loss and LoRA gradients, as Tunix's train step forms them (nnx.jit over nnx.value_and_grad)."""
-    return nnx.value_and_grad(lambda m: lm_loss(m, **inputs)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
-
-
 def test_every_policy_gives_the_same_loss_and_gradients_and_changes_the_program(lora_model: nnx.Module) -> None:
-    inputs = _batch()
+    inputs = random_inputs()
     results, dots, temps = {}, {}, {}
     for policy in ("none", "dots", "full"):
         assert remat.apply(lora_model, policy) == 2  # both decoder layers
-        value, grads = _loss_and_grads(lora_model, inputs)
+        value, grads = loss_and_lora_grads(lora_model, inputs)
         results[policy] = (float(value), jax.tree.map(np.asarray, nnx.to_pure_dict(grads)))
-        compiled = _loss_and_grads.lower(lora_model, inputs).compile()
+        compiled = loss_and_lora_grads.lower(lora_model, inputs).compile()
         dots[policy] = len(hlo_dots(compiled.as_text()))
         temps[policy] = compiled.memory_analysis().temp_size_in_bytes
     remat.apply(lora_model, "none")
@@ -72,7 +57,7 @@ def test_dots_keeps_a_16_bit_models_products_rather_than_run_them_again(tmp_path
     source = make_tiny_hf_model("llama3", tmp_path / "llama3", seed=0, num_hidden_layers=2)
     loaded = load_model(str(source), dtype="bfloat16")
     model = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0, quantization=quantization), loaded.family, seed=0).model
-    inputs = _batch()
+    inputs = random_inputs()
 
     def loss(lora: nnx.State) -> jax.Array:  # the model as split below, under the policy being checked
         return lm_loss(nnx.merge(graphdef, lora, rest, copy=True), **inputs)[0]
@@ -82,7 +67,7 @@ def test_dots_keeps_a_16_bit_models_products_rather_than_run_them_again(tmp_path
         remat.apply(model, policy)
         graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
         kept[policy] = sum(f"named '{remat.PRODUCTS}'" in what for _, what in saved_residuals(loss, lora))
-        hlo = _loss_and_grads.lower(model, inputs).compile().as_text()
+        hlo = loss_and_lora_grads.lower(model, inputs).compile().as_text()
         dots[policy] = Counter((tuple(out), tuple(lhs[1]), tuple(rhs[1])) for out, lhs, rhs in hlo_dots(hlo))
     remat.apply(model, "none")
     # q, k, v, o, gate and up of both layers (down's output only enters the residual sum, whose

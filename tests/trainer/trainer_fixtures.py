@@ -18,9 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from lora_trainer.config import TrainConfig
+from lora_trainer.loss import lm_loss, model_inputs
 from lora_trainer.tiny_models import make_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,3 +151,17 @@ def wait_for_step(proc: subprocess.Popen[bytes], log: Path, step: int, timeout: 
         time.sleep(0.02)
     proc.kill()
     pytest.fail(f"trainer did not reach step {step} within {timeout}s")
+
+
+def random_inputs(length: int = 32) -> dict[str, jax.Array]:
+    """The loss's inputs for two unpacked rows of `length` random tokens (the same on every call)."""
+    tokens = np.random.default_rng(0).integers(3, 200, (2, length)).astype(np.int32)
+    ones = np.ones((2, length), np.int32)
+    return model_inputs({"input_tokens": jnp.asarray(tokens), "input_mask": jnp.asarray(ones), "segment_ids": jnp.asarray(ones),
+                         "positions": jnp.asarray(np.broadcast_to(np.arange(length), (2, length)).astype(np.int32))})
+
+
+@nnx.jit
+def loss_and_lora_grads(model: nnx.Module, inputs: dict[str, jax.Array]) -> tuple[jax.Array, nnx.State]:
+    """Loss and LoRA gradients, as Tunix's train step forms them (nnx.jit over nnx.value_and_grad)."""
+    return nnx.value_and_grad(lambda m: lm_loss(m, **inputs)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))(model)

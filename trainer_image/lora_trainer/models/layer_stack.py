@@ -213,7 +213,7 @@ def _module_attribute(layer: nnx.Module, path: tuple[Any, ...]) -> tuple[Any, ..
     for i, part in enumerate(path):
         if isinstance(obj, nnx.Module):
             end = i + 1
-        obj = obj[part] if isinstance(part, int) else getattr(obj, part)
+        obj = _child(obj, part)
     return path[:end]
 
 
@@ -221,5 +221,10 @@ def _drop(layer: nnx.Module, attribute: tuple[Any, ...]) -> None:
     """Remove a module attribute from `layer` (its values now live in the stack)."""
     owner: Any = layer
     for part in attribute[:-1]:
-        owner = owner[part] if isinstance(part, int) else getattr(owner, part)
+        owner = _child(owner, part)
     delattr(owner, attribute[-1])
+
+
+def _child(node: Any, part: Any) -> Any:
+    """One step along an NNX state path: a list index or an attribute."""
+    return node[part] if isinstance(part, int) else getattr(node, part)
