@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lora_trainer import data
+from lora_trainer import data, host_memory
 from lora_trainer.config import DatasetSpec
 from lora_trainer.errors import UserError
 from lora_trainer.tiny_models import CHAT_TEMPLATE, build_tokenizer
@@ -361,16 +361,20 @@ class _CountingTokenizer:
         return self.tok(text, **kwargs)
 
 
+@pytest.mark.parametrize("one_arena", [False, True], ids=["arenas", "one-arena"])
 @pytest.mark.parametrize("spec", [_spec(format="text"), _spec()], ids=["text", "prompt-completion"])
-def test_a_files_texts_are_encoded_in_one_batch_with_the_same_ids(tmp_path, tok, spec):
-    """The file's texts go to the tokenizer in one batch call (every core encodes), and each example is
-    what `tokenize_row` makes of its row alone; a bad row still stops it at its line."""
+def test_a_files_texts_are_encoded_in_one_batch_with_the_same_ids(tmp_path, tok, spec, one_arena, monkeypatch):
+    """The file's texts go to the tokenizer in one batch call (every core encodes), text by text where
+    threads share one malloc arena; each example is what `tokenize_row` makes of its row alone either
+    way, and a bad row still stops it at its line."""
+    monkeypatch.setattr(host_memory, "one_arena", lambda: one_arena)
     rows = [{"text": f"row {i} " + "the quick brown fox " * (i % 7), "prompt": f"Question {i}?", "completion": f" Answer {i}."}
             for i in range(40)]
     uri = _write_jsonl(tmp_path / "d.jsonl", rows)
     counting = _CountingTokenizer(tok)
     got = data.tokenize_file(uri, spec, counting)
-    assert (counting.batches, counting.texts) == (1, 0)
+    texts = len(rows) * (1 if spec.format == "text" else 2)
+    assert (counting.batches, counting.texts) == ((0, texts) if one_arena else (1, 0))
     want = [data.tokenize_row(r, spec, tok, f"{uri} line {n}") for n, r in enumerate(rows, 1)]
     assert [(e.tokens.tolist(), e.loss_mask.tolist()) for e in got.examples] == [(e.tokens.tolist(), e.loss_mask.tolist()) for e in want]
     bad = _write_jsonl(tmp_path / "bad.jsonl", [*rows[:3], {"other": 1}, *rows[3:]])

@@ -51,3 +51,14 @@ def test_freed_buffers_are_reused_instead_of_page_faulted_again() -> None:
         if defaults[-1] > 0.05 * pages:
             return
     pytest.fail(f"the default allocator never page-faulted a temporary again ({defaults} faults per call): the probe sees nothing")
+
+
+@pytest.mark.parametrize(
+    ("platforms", "attached", "cpu"),
+    [(None, False, True), (None, True, False), ("cpu", True, True), ("tpu", True, False), ("cuda,cpu", False, False), ("", False, True)],
+)
+def test_only_a_process_computing_on_the_cpu_is_tuned(platforms: str | None, attached: bool, cpu: bool) -> None:
+    """On a TPU host the one arena only made threads queue (the tokenizer's batch ran 7x slower there,
+    issue 21): JAX_PLATFORMS decides when it is set, otherwise whether an accelerator is attached."""
+    env = {} if platforms is None else {"JAX_PLATFORMS": platforms}
+    assert host_memory.computes_on_cpu(env, attached) is cpu
