@@ -427,19 +427,6 @@ _MESH_SCRIPT = textwrap.dedent(
     with jax.set_mesh(mesh):
         c = np.asarray(forward_logits(lora, tokens))
     assert np.abs(c - b).max() < 1e-5, np.abs(c - b).max()
-    # LoRA's first call compiled (as on an accelerator): the same values and shardings, LoRA dropout's keys included.
-    from flax import nnx
-    spec = LoraSpec(rank=4, alpha=8, dropout=0.1)
-    with mesh:
-        eager = apply_lora(load_model(sys.argv[1], mesh=mesh).model, spec, get_family("llama3"), seed=0).model
-        compiled = apply_lora(load_model(sys.argv[1], mesh=mesh).model, spec, get_family("llama3"), seed=0, compiled_on=mesh).model
-    want, got = nnx.to_flat_state(nnx.state(eager)), nnx.to_flat_state(nnx.state(compiled))
-    assert [p for p, _ in want] == [p for p, _ in got] and len(nnx.state(compiled, nnx.LoRAParam)) > 0
-    for (path, x), (_, y) in zip(want, got):
-        x, y = x.get_value(), y.get_value()
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x, y = jax.random.key_data(x), jax.random.key_data(y)
-        assert np.array_equal(np.asarray(x), np.asarray(y)) and x.sharding == y.sharding, (path, x.sharding, y.sharding)
     print("ok")
     """
 )
@@ -447,8 +434,8 @@ _MESH_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_load_onto_a_two_device_mesh(tiny_dirs: dict[str, Path]) -> None:
-    """Weights and LoRA params land as NamedShardings over the mesh, whether LoRA's first call runs op by
-    op or compiled (own process: the CPU device count is fixed when JAX starts)."""
+    """Weights and LoRA params land as NamedShardings over the mesh (own process: the CPU device count is
+    fixed when JAX starts)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT, str(tiny_dirs["llama3.1"])],

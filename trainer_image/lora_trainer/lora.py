@@ -13,7 +13,6 @@ name the regex or module and list what would have worked.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import re
 from collections.abc import Mapping
@@ -24,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import qwix
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from lora_trainer.config import LoraSpec
 from lora_trainer.errors import UserError
@@ -100,34 +98,21 @@ def _float32_init(initializer: Any) -> Any:
 
 
 def apply_lora(
-    model: nnx.Module,
-    lora_spec: LoraSpec,
-    family: FamilySpec,
-    *,
-    seed: int,
-    batch_shape: tuple[int, int] = (1, 8),
-    compiled_on: jax.sharding.Mesh | None = None,
+    model: nnx.Module, lora_spec: LoraSpec, family: FamilySpec, *, seed: int, batch_shape: tuple[int, int] = (1, 8)
 ) -> LoraApplied:
     """A copy of `model` with LoRA (and QLoRA quantization) on the modules `lora_spec.target_modules` selects.
 
     Runs one dummy forward of `batch_shape` tokens so Qwix creates every `nnx.LoRAParam`
-    (A: he-uniform from `seed`, B: zeros, so the model's output is unchanged). With
-    `compiled_on`, that forward is one compiled program on the mesh (`_first_call_compiled`,
-    not for QLoRA) and `model`'s arrays are donated to it: only the returned model is usable.
+    (A: he-uniform from `seed`, B: zeros, so the model's output is unchanged).
     """
     regex = resolve_target_regex(lora_spec.target_modules, family)
     available, matched = _matched_modules(model, family, regex)
     provider = _provider(lora_spec, family, regex, matched)
     tokens = jnp.ones(batch_shape, dtype=jnp.int32)
     positions, mask = positions_and_mask(tokens, None)
-    rngs = nnx.Rngs(params=seed, dropout=seed)
-    if compiled_on is None:
-        lora_model = qwix.apply_lora_to_model(model, provider, tokens, positions, None, mask, rngs=rngs)
-    else:
-        if lora_spec.quantization is not None:
-            raise ValueError("QLoRA's first call quantizes the base, on the host and op by op; it is not compiled")
-        lora_model = qwix.apply_lora_to_model(model, provider, tokens, positions, None, mask, rngs=rngs, skip_nnx_init=True)
-        _first_call_compiled(lora_model, rngs, compiled_on, tokens, positions, mask)
+    lora_model = qwix.apply_lora_to_model(
+        model, provider, tokens, positions, None, mask, rngs=nnx.Rngs(params=seed, dropout=seed)
+    )
     if lora_spec.dropout > 0:
         # Qwix draws dropout keys from `module.qwix_rngs`, which it clears after the dummy forward;
         # without this every later call fails. Evaluation traces without dropout (`no_lora_dropout`).
@@ -137,40 +122,6 @@ def apply_lora(
     # query projection is q_einsum) shows what it left out.
     log.info("LoRA on %d modules (lora.targetModules %r): %s", len(created), regex, _summarise(created))
     return LoraApplied(model=lora_model, target_regex=regex, module_paths=created)
-
-
-@functools.partial(nnx.jit, donate_argnums=0)
-def _first_call(model: nnx.Module, tokens: jax.Array, positions: jax.Array, mask: jax.Array) -> None:
-    model(tokens, positions, None, mask)
-    lora = nnx.state(model, nnx.LoRAParam)
-    nnx.update(model, jax.lax.with_sharding_constraint(lora, nnx.get_partition_spec(lora)))
-
-
-def _first_call_compiled(model: nnx.Module, rngs: nnx.Rngs, mesh: jax.sharding.Mesh, *inputs: jax.Array) -> None:
-    """Qwix's first call of `model` (which creates the LoRA params) as one compiled program.
-
-    Why: op by op on an accelerator, every op of the forward is a program compiled in every
-    process: about 170 of them, 10.9 s of a 57 s restart on a v5e chip (issue 21). One program
-    compiles once and a restart reads it from the persistent compilation cache. The values are
-    bitwise those of the op-by-op call (same keys, same initialisers). Not used on XLA:CPU, where
-    an eager op is cheap and the compile is not (5.3 s against 0.11 s once warm, docs/benchmarks.md).
-
-    The model is donated, so the base weights are not copied. The program returns them with
-    equivalent but differently written shardings (`P('fsdp')` for `P('fsdp', None, None)`), which
-    jit caches key apart, so every array is put back (no copy) under the sharding the op-by-op
-    path gives it: the base weights their own, the LoRA params their annotations' on `mesh`.
-    """
-    before = {path: var.get_value().sharding for path, var in nnx.to_flat_state(nnx.state(model))}
-    model.set_attributes(qwix_rngs=rngs, disable_quant_stats_update=True)  # as Qwix's own first call has them
-    _first_call(model, *inputs)
-    model.set_attributes(disable_quant_stats_update=False, qwix_rngs=None)
-    lora = nnx.state(model, nnx.LoRAParam)
-    specs = nnx.to_flat_state(nnx.get_partition_spec(lora))
-    placed = {path: NamedSharding(mesh, spec.get_value()) for path, spec in specs}
-    for path, var in nnx.to_flat_state(nnx.state(model)):
-        sharding = before.get(path) or placed[path]
-        if var.get_value().sharding != sharding:
-            var.set_value(jax.device_put(var.get_value(), sharding))
 
 
 def _matched_modules(model: nnx.Module, family: FamilySpec, regex: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -352,9 +352,8 @@ class _Run:
         moved onto the mesh."""
         cfg, quant = self.cfg, self.cfg.lora.quantization
         start = time.perf_counter()
-        compiled_on = None if quant or self.backend == "cpu" else self.mesh  # see lora._first_call_compiled
         with _on_host() if quant else contextlib.nullcontext():
-            applied = apply_lora(loaded.model, cfg.lora, loaded.family, seed=cfg.training.seed, batch_shape=(1, 8), compiled_on=compiled_on)
+            applied = apply_lora(loaded.model, cfg.lora, loaded.family, seed=cfg.training.seed, batch_shape=(1, 8))
         loaded.model = applied.model
         if quant:
             place_on_mesh(applied.model, self.mesh)
