@@ -1,4 +1,5 @@
-"""`training.compilationCache`: a restarted run loads its compiled train step instead of compiling it again."""
+"""`training.compilationCache`: a restarted run loads its compiled train step instead of compiling it again (and
+reads the data it tokenized, `token_cache`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax
 import pytest
 from trainer_fixtures import parse, train_config
 
-from lora_trainer import compile_cache
+from lora_trainer import compile_cache, data
 from lora_trainer.errors import Preempted
 from lora_trainer.train import run_training
 
@@ -33,6 +34,11 @@ def test_a_run_restarted_after_a_preemption_loads_its_train_step_from_the_cache(
     assert jax.config.jax_compilation_cache_dir == before  # the process's own setting is back
 
     jax.clear_caches()  # as a new process after the preemption: nothing compiled in memory
+
+    def no_tokenizer(model_dir: object) -> None:
+        raise AssertionError("the restart loaded the tokenizer: the tokenized data should come from <output>/tokenized")
+
+    monkeypatch.setattr(data, "load_tokenizer", no_tokenizer)
     with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
         result = run_training(cfg)  # the same config, as the JobSet restarts it
     assert result.final_step == 4

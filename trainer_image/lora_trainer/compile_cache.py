@@ -27,10 +27,11 @@ log = logging.getLogger(__name__)
 #: Programs that compile faster than this are not worth a cache entry in a remote location (gs://,
 #: a round trip each): JAX's own default.
 MIN_COMPILE_SECONDS = 1.0
-#: On local disk a read costs microseconds, so the many small programs of a start are kept too:
-#: on a v5e chip, applying LoRA (Qwix's dummy forward, op by op) compiled ~170 of them, 0.1-0.5 s
-#: each, in every restart (issue 21).
-MIN_LOCAL_COMPILE_SECONDS = 0.1
+#: On local disk a program loads in milliseconds (8 ms for the smallest on a v5e host), so the many
+#: small programs of a start are kept too: applying LoRA (Qwix's dummy forward, op by op) compiles
+#: about 170 of them in every restart, most in 50-70 ms on a v5e chip (issue 21). A threshold of
+#: 0.1 s had left those out: 10.9 s of a 57 s restart.
+MIN_LOCAL_COMPILE_SECONDS = 0.02
 
 
 def location(spec: CompilationCacheSpec, output_uri: str) -> str | None:

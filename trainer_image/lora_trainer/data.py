@@ -88,15 +88,19 @@ def load_tokenizer(model_dir: Path) -> Any:
         ) from e
 
 
+def padding_id(tokenizer: Any) -> int:
+    """The id that pads batches: the tokenizer's pad token, else its end-of-sequence token, else 0."""
+    return next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+
+
 # --------------------------------------------------------------------------- rows
 
 
-def _raw_rows(uri: str) -> list[tuple[int, str | dict[str, Any]]]:
-    """(line or row number, row) of a JSONL or Parquet file, the number 1-based for messages: a
-    JSONL line still unparsed (each process parses only the lines of its share, `_parsed`), a
-    Parquet row as a dict."""
+def _raw_rows(uri: str, data: bytes) -> list[tuple[int, str | dict[str, Any]]]:
+    """(line or row number, row) of a JSONL or Parquet file's `data`, the number 1-based for
+    messages: a JSONL line still unparsed (each process parses only the lines of its share,
+    `_parsed`), a Parquet row as a dict."""
     name = uri.rstrip("/").rsplit("/", 1)[-1].lower()
-    data = storage.read_bytes(uri)
     if name.endswith((".jsonl", ".json")):
         rows: list[tuple[int, str | dict[str, Any]]] = []
         # Split on newlines only: str.splitlines would also split inside strings at U+2028, U+0085, ...
@@ -372,15 +376,15 @@ def _decode(blob: bytes) -> _Part:
     return _Part(z["rows"].tolist(), examples, truncated, skipped, error)
 
 
-def tokenize_file(uri: str, spec: DatasetSpec, tokenizer: Any, share: Share = Share()) -> TokenizedDataset:
-    """Read a file, parse and tokenize this process's share of its rows and pool the shares;
-    truncate to maxSeqLen; drop examples left with no loss tokens.
+def tokenize_file(uri: str, spec: DatasetSpec, tokenizer: Any, share: Share = Share(), *, raw: bytes | None = None) -> TokenizedDataset:
+    """Read a file (or take its bytes, `raw`), parse and tokenize this process's share of its rows
+    and pool the shares; truncate to maxSeqLen; drop examples left with no loss tokens.
 
     Every process returns the same dataset, in file order, and raises the same error (the
     earliest bad row in the file, as one process tokenizing everything would): the shares
     are pooled before anything is raised, so no process waits for one that already gave up.
     """
-    rows = _raw_rows(uri)
+    rows = _raw_rows(uri, storage.read_bytes(uri) if raw is None else raw)
     if not rows:
         raise UserError(f"{uri} holds no rows: add training examples")
     mine = _tokenize_share(rows, uri, spec, tokenizer, share)

@@ -47,6 +47,7 @@ from lora_trainer.models.loading import host_device, place_on_mesh
 from lora_trainer.models.attention import choose_kernel, padded_length
 from lora_trainer.progress import IntervalTimer, ProgressCallback, ProgressSink, progress_record
 from lora_trainer.stop import StopRequest
+from lora_trainer.token_cache import TokenCache
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ class _Run:
         return loaded
 
     def _data(self, loaded: LoadedModel) -> _Data:
-        """Tokenize this process's share of the data; batches padded to one length per set."""
+        """Tokenize this process's share of the data (or read what an earlier start tokenized); batches padded to one length per set."""
         cfg, t = self.cfg, self.cfg.training
         micro = t.global_batch_size // t.gradient_accumulation
         data_ways = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
@@ -315,10 +316,10 @@ class _Run:
                 f"each micro-batch has {micro} rows (training.globalBatchSize / gradientAccumulation) but the mesh "
                 f"splits batches {data_ways} ways (data x fsdp); make the micro-batch a multiple of {data_ways}"
             )
-        tokenizer = data.load_tokenizer(loaded.local_dir)
-        pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
         share = data.Share(jax.process_index(), jax.process_count(), distributed.allgather_bytes)
-        train_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.train, cfg.dataset, tokenizer, share), cfg.dataset)
+        tokens = TokenCache(storage.join(cfg.output.uri, "tokenized"), loaded.local_dir, cfg.dataset, share, primary=self.primary)
+        train_set, pad_id = tokens.tokenized(cfg.dataset.train)
+        train_seqs = data.to_sequences(train_set, cfg.dataset)
         seq_len = padded_length(_longest(train_seqs), cfg.dataset.max_seq_len, self.kernel)
         if len(train_seqs) < t.global_batch_size:
             log.warning(
@@ -338,7 +339,7 @@ class _Run:
         )
         eval_batches = None
         if cfg.dataset.eval is not None:
-            eval_seqs = data.to_sequences(data.tokenize_file(cfg.dataset.eval, cfg.dataset, tokenizer, share), cfg.dataset)
+            eval_seqs = data.to_sequences(tokens.tokenized(cfg.dataset.eval)[0], cfg.dataset)
             eval_len = padded_length(_longest(eval_seqs), cfg.dataset.max_seq_len, self.kernel)  # an eval example may be longer
             eval_batches = data.eval_batches(eval_seqs, global_batch=micro, seq_len=eval_len, pad_id=pad_id)
         return _Data(stream, eval_batches, seq_len)
