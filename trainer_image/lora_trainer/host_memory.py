@@ -11,7 +11,8 @@ no trimming, freed buffers are reused: ~1,000 faults per step.
 The price is that the process keeps its peak heap (a training process reaches its working
 set in the first steps and stays there), and that every thread allocates from the one arena, so
 threads that allocate at once queue for its lock: the tokenizer's parallel batch encoding ran 3x
-slower on 2 cores and 7x on a 13-core TPU host (22.5 s of a 57 s restart, issue 21). So the
+slower on 2 cores, and on a 13-core TPU host loading the tokenizer and tokenizing took 22.5 s of
+a 57 s restart, 6.2 s untuned (issue 21). So the
 tuning applies only where JAX computes on the CPU, and `data` encodes one text at a time under
 it. Set `LORA_TRAINER_GLIBC_MALLOC=default` to leave glibc's defaults alone. Only glibc is
 tuned; elsewhere (musl, macOS) this does nothing.
