@@ -127,3 +127,12 @@ def test_processes_skip_tokenizing_only_when_every_one_has_the_entry(tmp_path, m
     # A shared location: both read it, and nobody loads a tokenizer.
     monkeypatch.setattr(data, "load_tokenizer", _CountingLoads(refuse=True))
     assert [_as_lists(d) for d in _two_processes([roots[0], roots[0]], spec, model_dir)] == [want, want]
+
+
+def test_an_entry_that_cannot_be_written_is_a_warning(tmp_path, model_dir, caplog) -> None:
+    spec = _dataset(tmp_path)
+    (tmp_path / "a-file").write_text("")  # the cache's location lies under a file: nothing can be written there
+    with caplog.at_level(logging.WARNING, logger="lora_trainer.token_cache"):
+        got, _ = token_cache.TokenCache(str(tmp_path / "a-file" / "tokenized"), model_dir, spec, data.Share(), primary=True).tokenized(spec.train)
+    assert _as_lists(got) == _as_lists(data.tokenize_file(spec.train, spec, data.load_tokenizer(model_dir)))
+    assert "could not keep the tokenized dataset" in caplog.text

@@ -10,7 +10,8 @@ there), the dataset settings tokenizing reads, the tokenizer libraries' versions
 source of `data`, which does the tokenizing. Any change is a new name, so an entry is never
 stale; the entries of earlier settings are left where they are. Entries are written whole
 (`storage.write_bytes`: a temporary and a rename, or one GCS upload) by the first process,
-after the data was tokenized without error, and an unreadable entry is tokenized again.
+after the data was tokenized without error, and an unreadable entry is tokenized again; one
+that cannot be written is a warning (only a restart's time is at stake).
 
 Every process of a run decides together: each reads the entry, and only when every one of
 them could does the run skip tokenizing; otherwise all of them tokenize their shares and pool
@@ -137,7 +138,11 @@ class TokenCache:
         dataset = data.tokenize_file(uri, self.spec, tokenizer, self.share, raw=raw)
         pad_id = data.padding_id(tokenizer)
         if self.primary:
-            storage.write_bytes(entry, encode(dataset, pad_id))
+            try:
+                storage.write_bytes(entry, encode(dataset, pad_id))
+            except Exception as e:  # only a restart's time is lost; a broken output fails the checkpoints, by name
+                log.warning("could not keep the tokenized dataset in %s (%s); a restart tokenizes it again", entry, e)
+        self.share.allgather(b"")  # all go on once it is written: a later read of the same file finds it on every process
         return dataset, pad_id
 
     @staticmethod
