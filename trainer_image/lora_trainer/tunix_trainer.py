@@ -1,5 +1,5 @@
-"""Tunix's PeftTrainer as this trainer runs it: the loss and inputs, AdamW with the schedule, the
-model donated to its jitted steps, batches placed on the mesh, and its state as checkpoint items.
+"""Tunix's PeftTrainer as this trainer runs it: the loss and inputs, AdamW with the schedule, steps
+jitted over the arrays they change, batches placed on the mesh, and its state as checkpoint items.
 
 `train._Run` drives it one optimizer step at a time (`trainer.train([micro-batches])`) and owns
 checkpoints, logging and stopping; this module owns what happens inside a step.
@@ -8,12 +8,15 @@ checkpoints, logging and stopping; this module owns what happens inside a step.
 from __future__ import annotations
 
 import functools
+import queue
+import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import variablelib
 from jax.interpreters import pxla
 from tunix.sft import peft_trainer, sharding_utils
 
@@ -55,27 +58,27 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
                 nnx.update(obj, jax.tree.map(functools.partial(_replicated_on, mesh), nnx.state(obj)))
 
     def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False) -> tuple[Any, Any]:
-        """Tunix's jitted steps, with the model donated to both (Tunix donates only the optimizer).
+        """The train and eval steps, each one `jax.jit` over the arrays it changes (see `StateStep`).
 
-        Why: `nnx.jit` returns the state of every graph node it is given, frozen base weights
-        included, and XLA can alias an output to an input only if that input is donated; so every
-        train and eval step wrote a fresh copy of the whole base model. On a Qwen2.5-0.5B-shaped
-        model on CPU: 7.4 GB of host memory instead of 3.1 GB after a few steps and an eval pass,
-        and a 4.1 s train step instead of 1.8 s (docs/benchmarks.md). Donated, the unchanged
-        weights are their own inputs; `nnx.jit` puts the returned arrays back into the model.
+        Tunix jits its steps with `nnx.jit`, which takes the whole model apart and puts it back in
+        Python at every call. That Python is where a save hurt: Orbax's threads hold the GIL, and
+        each dispatch waited for it once per release (see `StateStep`). `cache_nnx_graph` is moot:
+        a `StateStep` finds the model's variables once.
         """
         if skip_jit or self._jitted_train_step_fn is not None:
             return super().jit_train_and_eval_step(skip_jit, cache_nnx_graph)
         self._shard_optimizer(pxla.thread_resources.env.physical_mesh)  # as Tunix does, before the first jit
-        train_step = nnx.jit(self.create_train_step_fn(), donate_argnames=("model", "optimizer"))
-        eval_step = nnx.jit(self.create_eval_step_fn(), donate_argnames=("model",))
+        nodes = (self.model, self.optimizer)
+        self.train_step = StateStep(self.create_train_step_fn(), nodes, trained=self.optimizer.wrt)
+        evaluate = self.create_eval_step_fn()
 
-        def bind(f: Any, *args: Any) -> functools.partial:  # as Tunix binds them: its train() reads `.func.jitted_fn`
-            return functools.partial(nnx.cached_partial(f, *args)) if cache_nnx_graph else functools.partial(f, *args)
+        def _eval_step(model: nnx.Module, optimizer: nnx.Optimizer, inputs: Any) -> Any:
+            return evaluate(model, inputs)
 
-        self.train_step = train_step  # unbound, for `compiled_memory`
-        self._jitted_train_step_fn = bind(train_step, self.model, self.optimizer)
-        self._jitted_eval_step_fn = bind(eval_step, self.model)
+        eval_step = StateStep(_eval_step, nodes, trained=self.optimizer.wrt)
+        # Tunix's train() calls these with the inputs alone and reads `.func.jitted_fn`, as it binds its own
+        self._jitted_train_step_fn = functools.partial(self.train_step)
+        self._jitted_eval_step_fn = functools.partial(eval_step)
         return self._jitted_train_step_fn, self._jitted_eval_step_fn
 
     def _eval_step(self, model: nnx.Module, inputs: Any) -> Any:
@@ -85,6 +88,104 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
 
     def _post_process_eval_step(self, aux: Any) -> None:
         self.eval_aux.append(aux)
+
+
+
+class StateStep:
+    """A step `body(model, optimizer, inputs) -> outputs` as one `jax.jit` over flat lists of arrays:
+    the frozen base passed in and never returned, everything else (LoRA, optimizer, RNG counts)
+    passed in, donated and returned.
+
+    Why not `nnx.jit`: it walks the whole model graph in Python to split it before each call and to
+    put every returned array back after it: 11-18 ms per micro-batch of a 3B-wide model on the v5e
+    host. While an Orbax save ran on other threads, the same dispatch took 112-580 ms, because the
+    main thread waits for the GIL (up to the 5 ms switch interval) at each of its many releases; the
+    chip idled between micro-batches (docs/benchmarks.md, "Restart and saves"). Here a call reads
+    the raw arrays of variables found once, makes one C++ `jax.jit` dispatch and puts the changed
+    arrays back raw. Raw, because NNX's `get_value`/`set_value` copy through `jax.tree.map` and ask
+    each array's type: on the chip's host a profile put most of a 16 ms dispatch there. Variables
+    with value hooks or array refs are read and written through NNX instead.
+
+    Why the donated arrays die on another thread (`_Releases`): on the chip's host, freeing an array
+    releases the GIL; putting the new arrays in place freed the old ones, about 340 for 8 layers of
+    LoRA and AdamW state, and during a save that took 250-460 ms of the 490 ms dispatch.
+
+    Why the base is not returned: `nnx.jit` returns every array it is given, so the base had to be
+    donated to be aliased rather than copied; here it is an input only, read in place.
+
+    The variables are found once: a model whose variables are replaced (not updated, as
+    `nnx.update` does) after the step is built would be trained through stale ones.
+    """
+
+    def __init__(self, body: Any, nodes: tuple[Any, ...], *, trained: Any) -> None:
+        frozen = nnx.All(nnx.Param, nnx.Not(trained))
+        graph, frozen_state, carried_state = nnx.split(nodes, frozen, ...)
+        self._frozen = [v for _, v in nnx.to_flat_state(frozen_state)]
+        self._carried = [v for _, v in nnx.to_flat_state(carried_state)]
+        self._raw = all(map(_raw_access, self._frozen + self._carried))
+        frozen_def = jax.tree.structure(nnx.as_pure(frozen_state))
+        carried_def = jax.tree.structure(nnx.as_pure(carried_state))
+
+        def step(frozen_values: list[jax.Array], carried_values: list[jax.Array], inputs: Any) -> tuple[list[jax.Array], Any]:
+            frozen_in = jax.tree.unflatten(frozen_def, frozen_values)
+            nodes_in = nnx.merge(graph, frozen_in, jax.tree.unflatten(carried_def, carried_values))
+            outputs = body(*nodes_in, inputs)
+            _, frozen_out, carried_out = nnx.split(nodes_in, frozen, ...)
+            if any(a is not b for a, b in zip(jax.tree.leaves(nnx.as_pure(frozen_out)), frozen_values, strict=True)):
+                raise RuntimeError(f"{step.__name__} wrote a frozen base weight; only the trained variables are kept")
+            return jax.tree.leaves(nnx.as_pure(carried_out)), outputs
+
+        step.__name__ = step.__qualname__ = body.__name__  # XLA's module and cache names
+        self.jitted_fn = jax.jit(step, donate_argnums=1)
+        self._releases = _Releases()
+
+    def _arguments(self, inputs: Any) -> tuple[list[Any], list[Any], Any]:
+        if self._raw:
+            return [v.get_raw_value() for v in self._frozen], [v.get_raw_value() for v in self._carried], inputs
+        return [v.get_value() for v in self._frozen], [v.get_value() for v in self._carried], inputs
+
+    def __call__(self, inputs: Any) -> Any:
+        frozen, donated, inputs = self._arguments(inputs)
+        carried, outputs = self.jitted_fn(frozen, donated, inputs)
+        for variable, value in zip(self._carried, carried, strict=True):
+            if self._raw:
+                variable.set_raw_value(value)
+            else:
+                variable.set_value(value)
+        self._releases.put(donated)  # now the list's references are the last ones
+        return outputs
+
+    def lower(self, inputs: Any) -> Any:
+        """The step lowered for `inputs` (JAX's cached trace when it has run): for its compiled memory."""
+        return self.jitted_fn.lower(*self._arguments(inputs))
+
+
+class _Releases:
+    """A daemon thread that empties the lists it is given: the arrays in them are freed there.
+
+    Freeing the donated inputs on the main thread cost it the GIL once per array (see `StateStep`).
+    The thread empties a list in place, so the arrays die there even if the caller still holds the list.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def put(self, arrays: list[Any]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lora-trainer-releases", daemon=True)
+            self._thread.start()
+        self._queue.put(arrays)
+
+    def _run(self) -> None:
+        while True:
+            self._queue.get().clear()
+
+
+def _raw_access(variable: nnx.Variable) -> bool:
+    """Whether `variable`'s value is its raw value both ways: no get/set hooks, not an array ref."""
+    hooks = {"on_get_value", "on_set_value"} & set(variable.get_metadata())
+    return not hooks and not variablelib.is_array_ref(variable.get_raw_value())
 
 
 def _replicated_on(mesh: jax.sharding.Mesh, x: Any) -> Any:
@@ -107,8 +208,7 @@ def make_trainer(model: nnx.Module, t: TrainingSpec, *, splash: bool = False, in
     `splash`: the model attends with the splash kernel (`loss.model_inputs`); `interpret` runs it on the CPU (tests).
 
     Batches are sharded over the mesh's (data, fsdp) axes together; Tunix's own checkpointing is off.
-    The steps take the model's arrays (donated, see `LoraPeftTrainer.jit_train_and_eval_step`): once
-    it has trained, a model sharing them, such as the one `apply_lora` was given, cannot run again.
+    The steps donate the LoRA, optimizer and RNG arrays (see `StateStep`) and read the base in place.
     """
     if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
         raise UserError("the model has no LoRA parameters; refusing to train (the trainer would update every base weight)")
@@ -149,7 +249,7 @@ def compiled_memory(trainer: LoraPeftTrainer, micro_batch: dict[str, jax.Array])
     backend reports nothing (CPU). The step is already compiled: this reads JAX's cached program.
     """
     inputs = sharding_utils.shard_input(trainer._prepare_inputs(micro_batch), trainer.config.data_sharding_axis)
-    stats = trainer.train_step.lower(trainer.model, trainer.optimizer, inputs).compile().memory_analysis()
+    stats = trainer.train_step.lower(inputs).compile().memory_analysis()
     if stats is None or not stats.temp_size_in_bytes:
         return None
     gib = 2.0**30
