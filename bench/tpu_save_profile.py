@@ -4,7 +4,7 @@ What it answers: when a save (as `async_saves` makes it: a copy on the device, t
 the host copy and Orbax's save) slows the steps around it, is the chip slower, or idle? It traces
 six steps with `jax.profiler` (a save handed off before the third) and prints, from the trace,
 each device program's duration and the idle gap before it, and how long the main thread's
-dispatch of a micro-batch (NNX's `cache_args_wrapper`) took with and without the save running.
+dispatch of a micro-batch (`tunix_trainer.StateStep.__call__`) took with and without the save running.
 
     python bench/tpu_save_profile.py --out $OUT/save-profile      # 3B widths, 8 layers, 8 micro-batches of 1 x 2048
 
@@ -30,6 +30,20 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("trainer_
 import tpu_throughput as tb  # noqa: E402  (beside this file)
 
 
+def _is_dispatch(name: str) -> bool:
+    """The Python tracer's event for one call of the train step (`StateStep.__call__`), named `$file:line function`."""
+    return "tunix_trainer.py" in name and name.endswith(" __call__")
+
+
+def _inside(outer: dict[str, Any], events: list[dict[str, Any]], top: int = 10) -> dict[str, float]:
+    """Milliseconds spent in each event name within `outer` on its thread (nested ones counted in their parents too)."""
+    totals: dict[str, float] = {}
+    for e in events:
+        if e is not outer and outer["ts"] <= e["ts"] and e["ts"] + e["dur"] <= outer["ts"] + outer["dur"]:
+            totals[e["name"]] = totals.get(e["name"], 0.0) + e["dur"] / 1e3
+    return {"total": round(outer["dur"] / 1e3, 1), **{k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:top]}}
+
+
 def _trace_summary(trace: Path, step_starts: list[float], wall_zero: float) -> dict[str, Any]:
     """Device programs (duration, idle gap before) and the main thread's dispatch times, from a perfetto trace."""
     events = json.load(gzip.open(trace))
@@ -42,8 +56,11 @@ def _trace_summary(trace: Path, step_starts: list[float], wall_zero: float) -> d
         programs.append({"name": e["name"].split("(")[0], "ms": round(e["dur"] / 1e3, 2),
                          "idle_before_ms": round((e["ts"] - end) / 1e3, 2) if end is not None else 0.0})  # fmt: skip
         end = e["ts"] + e["dur"]
-    dispatch = sorted((e for e in events if e.get("ph") == "X" and "cache_args_wrapper" in e.get("name", "")), key=lambda e: e["ts"])
+    dispatch = sorted((e for e in events if e.get("ph") == "X" and _is_dispatch(e.get("name", ""))), key=lambda e: e["ts"])
+    main = [e for e in events if e.get("ph") == "X" and dispatch and (e["pid"], e["tid"]) == (dispatch[0]["pid"], dispatch[0]["tid"])]
+    slowest = sorted(dispatch, key=lambda e: -e["dur"])[:3]
     return {"programs": programs, "dispatch_ms": [round(e["dur"] / 1e3, 1) for e in dispatch],
+            "slowest_dispatch_inside": [_inside(d, main) for d in slowest],
             "step_starts_s": [round(s - wall_zero, 3) for s in step_starts]}  # fmt: skip
 
 
@@ -100,6 +117,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "trace"}))
     print("idle gaps before each program (ms):", [x["idle_before_ms"] for x in result["trace"]["programs"]])
     print("main thread's dispatch per micro-batch (ms):", result["trace"]["dispatch_ms"])
+    print("inside the slowest dispatches (ms):", json.dumps(result["trace"]["slowest_dispatch_inside"], indent=1))
 
 
 if __name__ == "__main__":

@@ -196,6 +196,17 @@ def train_config(case: str, model: Path, data: Path, out: Path, steps: int) -> d
 # --------------------------------------------------------------------------- running
 
 
+def _record(line: str) -> dict[str, Any] | None:
+    """A progress record, or None: other output, or a record a log line from another thread (stderr
+    shares the pipe) was written into."""
+    if not line.startswith("{"):
+        return None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 def _run(argv: list[str], log: Path, timeout: float, *, sigterm_after: int | None = None) -> dict[str, Any]:
     """Run a trainer process; time each stdout progress line and the first step's log line from its start.
 
@@ -213,7 +224,7 @@ def _run(argv: list[str], log: Path, timeout: float, *, sigterm_after: int | Non
             lines.append((time.perf_counter() - start, line))
             f.write(line)
             f.flush()
-            if sigterm_after is not None and line.startswith("{") and json.loads(line).get("step") == sigterm_after:
+            if sigterm_after is not None and (_record(line) or {}).get("step") == sigterm_after:
                 proc.send_signal(signal.SIGTERM)
             if time.perf_counter() - start > timeout:
                 proc.kill()
@@ -236,15 +247,14 @@ def _compiles(text: str) -> dict[str, Any]:
 def _summary(run: dict[str, Any], case: str) -> dict[str, Any]:
     """What a trainer run's output says: step times, tokens/s, MFU, compile time, memory, checkpoint cost."""
     text = "".join(line for _, line in run["lines"])
-    progress = [(t, json.loads(line)) for t, line in run["lines"] if line.startswith("{") and '"step"' in line]
+    progress = [(t, r) for t, line in run["lines"] if (r := _record(line)) and "step" in r]
     first = re.search(r"step (\d+) compiled the train step and ran in ([\d.]+)s", text)
     first_at = next((t for t, line in run["lines"] if "compiled the train step" in line), None)
     memory = re.search(r"train step memory per device: (.*)", text)
     timed = [r for _, r in progress[1:] if r.get("stepTimeSeconds")]
-    # Wall time between progress lines (each waits for its step): a save blocks between the line of
-    # the step it saves and the next one.
+    # Wall time between progress lines (each waits for its step): a save's snapshot blocks between
+    # the line of the step it saves and the next one, the rest of it overlaps the next steps.
     gaps = {r["step"]: t - t0 for (t0, _), (t, r) in zip(progress, progress[1:])}
-    after_save = [gaps[s] for s in gaps if (s - 1) % CHECKPOINT_EVERY == 0 and s > 1]
     plain = [gaps[s] for s in gaps if (s - 1) % CHECKPOINT_EVERY]
     out: dict[str, Any] = {
         "exit": run["code"],
@@ -261,10 +271,19 @@ def _summary(run: dict[str, Any], case: str) -> dict[str, Any]:
     if timed:  # counted tokens over computed positions
         out["fill"] = statistics.median(r["tokensPerSecond"] * r["stepTimeSeconds"] for r in timed) / (micro * accumulation * seq)
     out.update(_compiles(text))
-    if after_save and plain:
+    if plain:
+        # What a save adds: the wall time of the CHECKPOINT_EVERY steps after it (its snapshot, then its
+        # host copy and Orbax's work on the save thread) over as many plain steps. A process's first save
+        # also compiles the device copy, so it is reported apart.
         base = statistics.median(plain)
-        out["save_extra_seconds"] = statistics.mean(after_save) - base
-        out["save_extra_percent_of_interval"] = 100 * (statistics.mean(after_save) - base) / (base * CHECKPOINT_EVERY)
+        extra = [sum(gaps[s] - base for s in range(after, after + CHECKPOINT_EVERY))
+                 for after in sorted(gaps) if (after - 1) % CHECKPOINT_EVERY == 0 and after > 1
+                 and all(s in gaps for s in range(after, after + CHECKPOINT_EVERY))]  # fmt: skip
+        if extra:
+            out["first_save_extra_seconds"] = extra[0]
+        if len(extra) > 1:
+            out["save_extra_seconds"] = statistics.mean(extra[1:])
+            out["save_extra_percent_of_interval"] = 100 * out["save_extra_seconds"] / (base * CHECKPOINT_EVERY)
     if run["code"] not in (0, PREEMPTED):
         out["tail"] = text[-2000:]
     return out
@@ -586,6 +605,8 @@ def table(results: list[dict[str, Any]]) -> str:
             rows.append(f"| {r['case']} | {micro} x {acc} | failed (exit {c['exit']}) | | | | | | | |")
             continue
         save = "-" if c.get("save_extra_seconds") is None else f"{c['save_extra_seconds']:.2f} s ({c['save_extra_percent_of_interval']:.1f}% of {CHECKPOINT_EVERY} steps)"
+        if c.get("first_save_extra_seconds") is not None:
+            save += f"; first save {c['first_save_extra_seconds']:.2f} s"
         rows.append(f"| {r['case']} | {micro} x {acc} | {_fmt(c['step_seconds'], '.3f')} s | {_fmt(c['tokens_per_second'], ',.0f')} | "
                     f"{_fmt(c['mfu'] and 100 * c['mfu'], '.1f')}% | {_fmt(c.get('fill') and 100 * c['fill'], '.0f')}% | "
                     f"{_fmt(c['first_step'], '.0f')} s | {_fmt(w.get('start_to_first_step'), '.1f')} s | {c['memory'] or '-'} | {save} |")

@@ -79,6 +79,7 @@ class AsyncSaves:
         self._handoff: Future[None] | None = None  # `store.save` running on the thread
         self._pending: list[int] = []  # steps handed off and not yet announced, oldest first
         self._snapshot: dict[str, Any] | None = None  # `store.save`'s arguments, not yet handed off
+        self._snapshot_seconds = (0.0, 0.0)  # what `start` cost the loop: flushing metrics, copying on the device
 
     def start(self, step: int) -> None:
         """Begin saving `step`: copy its state on the devices; the next `poll` hands it off.
@@ -87,10 +88,13 @@ class AsyncSaves:
         commit lands in the background, and a run that dies after it but before its next look would
         otherwise resume past metrics lines never written (a resume drops lines beyond its step).
         """
+        start = time.perf_counter()
         self.sink.flush()
+        flushed = time.perf_counter()
         self._snapshot = {"step": step, "lora": _device_copy(lora_state(self.trainer.model)),
                           "optimizer": _device_copy(tunix_trainer.optimizer_state(self.trainer)),
                           "data": self.stream.state(), "metadata": self.metadata}
+        self._snapshot_seconds = (flushed - start, time.perf_counter() - flushed)
         self.started = step
 
     def poll(self) -> None:
@@ -130,18 +134,20 @@ class AsyncSaves:
         if snapshot is None:
             return
         self._settle()
-        self._handoff = self._executor.submit(self._save, snapshot)
+        self._handoff = self._executor.submit(self._save, snapshot, self._snapshot_seconds)
         self._pending.append(snapshot["step"])
 
-    def _save(self, snapshot: dict[str, Any]) -> None:
+    def _save(self, snapshot: dict[str, Any], snapshot_seconds: tuple[float, float]) -> None:
         """On the save thread: the host copy, then Orbax's save (its commit goes on in the background).
-        Both are timed in the log: they overlap the next step, which a slow one would stretch."""
+        Both are timed in the log: they overlap the next step, which a slow one would stretch; so is
+        what `start` cost the loop (`snapshot_seconds`), which the step times do not count."""
         start = time.perf_counter()
         on_host = _on_host(snapshot)
         copied = time.perf_counter()
         self.store.save(**on_host)
-        log.info("checkpoint step %d: copied to the host in %.2fs, handed to Orbax in %.2fs (committing in the background)",
-                 snapshot["step"], copied - start, time.perf_counter() - copied)
+        log.info("checkpoint step %d: metrics flushed in %.2fs and state copied on the device in %.2fs (training waited), "
+                 "then copied to the host in %.2fs and handed to Orbax in %.2fs (committing in the background)",
+                 snapshot["step"], *snapshot_seconds, copied - start, time.perf_counter() - copied)
 
     def _settle(self) -> None:
         """Wait for the handoff in flight, raising its error. Orbax's save first waits for the previous
