@@ -350,6 +350,26 @@ def _tokenize_share(rows: list[tuple[int, str | dict[str, Any]]], uri: str, spec
     return _Part(kept, examples, truncated, skipped, unparsable)
 
 
+def example_arrays(examples: list[Example]) -> dict[str, np.ndarray]:
+    """Examples as flat arrays, nothing pickled: their lengths, then their tokens and loss masks laid
+    end to end. How shares travel between processes (`_encode`) and how `token_cache` keeps them."""
+    return {
+        "lengths": np.asarray([len(e.tokens) for e in examples], np.int64),
+        "tokens": np.concatenate([e.tokens for e in examples]).astype(np.int32) if examples else np.empty(0, np.int32),
+        "loss_mask": np.concatenate([e.loss_mask for e in examples]).astype(np.uint8) if examples else np.empty(0, np.uint8),
+    }
+
+
+def examples_from_arrays(lengths: np.ndarray, tokens: np.ndarray, loss_mask: np.ndarray) -> list[Example]:
+    """`example_arrays`' examples again; ValueError where the arrays do not agree (a damaged copy)."""
+    if int(lengths.sum()) != len(tokens) or len(tokens) != len(loss_mask):
+        raise ValueError("the example arrays do not agree")
+    if not len(lengths):
+        return []
+    cuts = np.cumsum(lengths)[:-1]
+    return [Example(t, m.astype(np.int32)) for t, m in zip(np.split(tokens, cuts), np.split(loss_mask, cuts), strict=True)]
+
+
 def _encode(part: _Part) -> bytes:
     """A part as an .npz (arrays only, nothing pickled), to send to the other processes."""
     buf = io.BytesIO()
@@ -357,22 +377,18 @@ def _encode(part: _Part) -> bytes:
     np.savez(
         buf,
         rows=np.asarray(part.rows, np.int64),
-        lengths=np.asarray([len(e.tokens) for e in part.examples], np.int64),
-        tokens=np.concatenate([e.tokens for e in part.examples]) if part.examples else np.empty(0, np.int32),
-        loss_mask=np.concatenate([e.loss_mask for e in part.examples]).astype(np.uint8) if part.examples else np.empty(0, np.uint8),
         counts=np.asarray([part.truncated, part.skipped, row], np.int64),
         error=np.frombuffer(message.encode(), np.uint8),
+        **example_arrays(part.examples),
     )
     return buf.getvalue()
 
 
 def _decode(blob: bytes) -> _Part:
     z = np.load(io.BytesIO(blob), allow_pickle=False)
-    cuts = np.cumsum(z["lengths"])[:-1]
-    tokens, masks = np.split(z["tokens"], cuts), np.split(z["loss_mask"].astype(np.int32), cuts)
     truncated, skipped, row = (int(x) for x in z["counts"])
     error = (row, z["error"].tobytes().decode()) if row >= 0 else None
-    examples = [Example(t, m) for t, m in zip(tokens, masks, strict=True)] if len(z["rows"]) else []
+    examples = examples_from_arrays(z["lengths"], z["tokens"], z["loss_mask"])
     return _Part(z["rows"].tolist(), examples, truncated, skipped, error)
 
 

@@ -56,16 +56,9 @@ def entry_name(data_bytes: bytes, model_files: dict[str, bytes], spec: DatasetSp
 
 
 def encode(dataset: data.TokenizedDataset, pad_id: int) -> bytes:
-    """An entry: the examples as flat arrays (nothing pickled), their counts and the tokenizer's padding id."""
+    """An entry: the examples as flat arrays (`data.example_arrays`), their counts and the tokenizer's padding id."""
     buf = io.BytesIO()
-    examples = dataset.examples
-    np.savez(
-        buf,
-        lengths=np.asarray([len(e.tokens) for e in examples], np.int64),
-        tokens=np.concatenate([e.tokens for e in examples]).astype(np.int32),
-        loss_mask=np.concatenate([e.loss_mask for e in examples]).astype(np.uint8),
-        counts=np.asarray([dataset.truncated, dataset.skipped, pad_id], np.int64),
-    )
+    np.savez(buf, counts=np.asarray([dataset.truncated, dataset.skipped, pad_id], np.int64), **data.example_arrays(dataset.examples))
     return buf.getvalue()
 
 
@@ -73,12 +66,10 @@ def decode(blob: bytes) -> tuple[data.TokenizedDataset, int]:
     """`encode`'s examples and padding id; ValueError (or the npz reader's error) for a damaged entry."""
     with np.load(io.BytesIO(blob), allow_pickle=False) as z:
         lengths, tokens, masks, counts = z["lengths"], z["tokens"], z["loss_mask"], z["counts"]
-    if lengths.sum() != len(tokens) or len(tokens) != len(masks) or counts.shape != (3,) or not len(lengths):
-        raise ValueError("the arrays do not agree")
-    cuts = np.cumsum(lengths)[:-1]
-    examples = [data.Example(t, m.astype(np.int32)) for t, m in zip(np.split(tokens, cuts), np.split(masks, cuts), strict=True)]
+    if counts.shape != (3,) or not len(lengths):
+        raise ValueError("the entry's counts are damaged or it holds no example")
     truncated, skipped, pad_id = (int(x) for x in counts)
-    return data.TokenizedDataset(examples, truncated, skipped), pad_id
+    return data.TokenizedDataset(data.examples_from_arrays(lengths, tokens, masks), truncated, skipped), pad_id
 
 
 def _versions() -> dict[str, str]:
