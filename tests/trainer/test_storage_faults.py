@@ -13,6 +13,7 @@ through the real CLI.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import time
@@ -310,3 +311,31 @@ def test_tensorstore_faults_on_the_wire(proxy, prefix):
     assert "PERMISSION_DENIED" in ended[denied] or "(HTTP 403: " in ended[denied], ended[denied]  # TensorStore says either
     assert not storage.exists(f"{denied}/0/commit_success.txt")
     assert [s for _, p, s in proxy.log if "flaky-arrays" in p and "uploadType=media" in p].count(503) == 2
+
+
+def test_a_token_cache_hit_never_downloads_the_gs_data_file(proxy, prefix, tmp_path) -> None:
+    """A restart names the tokenized entry by the object's MD5 and size from its metadata: a large
+    gs:// dataset is not downloaded again. Proven on the wire: every download of it is refused."""
+    from lora_trainer import data, token_cache
+    from lora_trainer.config import DatasetSpec
+    from lora_trainer.tiny_models import make_tiny_hf_model
+
+    model_dir = make_tiny_hf_model("llama3", tmp_path / "model")
+    rows = "".join(json.dumps({"prompt": f"Question {i}?", "completion": f" Answer {i}"}) + "\n" for i in range(6)).encode()
+    uri = f"{prefix}/train.jsonl"
+    storage.write_bytes(uri, rows)
+    assert storage.md5_and_size(uri) is not None and token_cache._content_id(*storage.md5_and_size(uri)) == token_cache.content_id(rows)
+    spec = DatasetSpec(train=uri, max_seq_len=16)
+
+    def cache() -> token_cache.TokenCache:
+        return token_cache.TokenCache(f"{prefix}/out/tokenized", model_dir, spec, data.Share(), primary=True)
+
+    first, pad = cache().tokenized(uri)
+    refused = proxy.add(Fault(lambda method, path: "train.jsonl" in path and "alt=media" in path, status=403, times=None))
+    again, again_pad = cache().tokenized(uri)
+    assert refused.hits == 0 and again_pad == pad
+    assert [e.tokens.tolist() for e in again.examples] == [e.tokens.tolist() for e in first.examples]
+    storage.write_bytes(uri, rows + rows)  # changed content: a miss, which must download it, and is refused
+    with pytest.raises(Exception, match="(?i)denied|forbidden|403"):
+        cache().tokenized(uri)
+    assert refused.hits >= 1

@@ -61,20 +61,20 @@ def test_a_restart_reads_what_the_first_start_tokenized_without_loading_the_toke
 def test_an_entry_is_named_by_everything_tokenizing_reads() -> None:
     spec = DatasetSpec(train="a.jsonl", max_seq_len=16)
     files, versions = {"tokenizer.json": b"{}", "config.json": b"{}"}, {"tokenizers": "1", "data.py": "x"}
-    name = token_cache.entry_name(b"rows", files, spec, versions)
+    name = token_cache.entry_name(token_cache.content_id(b"rows"), files, spec, versions)
     assert name.endswith(".npz")
     changed = [
-        token_cache.entry_name(b"rows!", files, spec, versions),
-        token_cache.entry_name(b"rows", {**files, "tokenizer.json": b"{ }"}, spec, versions),
-        token_cache.entry_name(b"rows", {**files, "chat_template.jinja": b"t"}, spec, versions),
-        token_cache.entry_name(b"rows", files, spec.model_copy(update={"max_seq_len": 17}), versions),
-        token_cache.entry_name(b"rows", files, spec.model_copy(update={"format": "text"}), versions),
-        token_cache.entry_name(b"rows", files, spec, {**versions, "data.py": "y"}),
+        token_cache.entry_name(token_cache.content_id(b"rows!"), files, spec, versions),
+        token_cache.entry_name(token_cache.content_id(b"rows"), {**files, "tokenizer.json": b"{ }"}, spec, versions),
+        token_cache.entry_name(token_cache.content_id(b"rows"), {**files, "chat_template.jinja": b"t"}, spec, versions),
+        token_cache.entry_name(token_cache.content_id(b"rows"), files, spec.model_copy(update={"max_seq_len": 17}), versions),
+        token_cache.entry_name(token_cache.content_id(b"rows"), files, spec.model_copy(update={"format": "text"}), versions),
+        token_cache.entry_name(token_cache.content_id(b"rows"), files, spec, {**versions, "data.py": "y"}),
     ]
     assert len({name, *changed}) == 1 + len(changed)
     # Where the file lies, the eval file and packing do not change its tokens.
     same = spec.model_copy(update={"train": "elsewhere/b.jsonl", "eval": "e.jsonl", "packing": True})
-    assert token_cache.entry_name(b"rows", files, same, versions) == name
+    assert token_cache.entry_name(token_cache.content_id(b"rows"), files, same, versions) == name
 
 
 def test_a_damaged_entry_is_tokenized_again_and_replaced(tmp_path, model_dir, monkeypatch, caplog) -> None:

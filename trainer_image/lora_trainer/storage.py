@@ -277,6 +277,17 @@ def read_bytes(uri: str) -> bytes:
         raise UserError(f"{path} cannot be read (permission denied): make it readable") from e
 
 
+def md5_and_size(uri: str) -> tuple[str, int] | None:
+    """A gs:// object's MD5 (base64, as GCS keeps it) and size, from its metadata: no download.
+    None for other locations, a missing object (reading it says so) and an object without an MD5 (a composite)."""
+    if not is_gcs(uri):
+        return None
+    bucket, name = split_gcs(uri)
+    with faults(uri):
+        blob = _client().bucket(bucket).get_blob(name, **_call())
+    return (blob.md5_hash, int(blob.size)) if blob is not None and blob.md5_hash else None
+
+
 def read_text(uri: str) -> str:
     """Whole file or object as UTF-8 text."""
     return read_bytes(uri).decode("utf-8")

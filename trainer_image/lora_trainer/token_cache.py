@@ -4,8 +4,9 @@ Why: a run restarted after a preemption tokenized its whole dataset again before
 step, on every host: 6.2 s of a 50 s restart on a v5e host for 12,000 rows (3.4 s of them
 importing transformers for the tokenizer), minutes for a large file (issue 21).
 
-An entry is named by a digest of everything its tokens depend on: the data file's bytes, the
-files of the model directory other than weights (the tokenizer and its chat template live
+An entry is named by a digest of everything its tokens depend on: the data file's content (its
+MD5 and size, which GCS keeps for an object, so a restart reads a gs:// file's from its metadata
+and never downloads the file when its entry is there), the files of the model directory other than weights (the tokenizer and its chat template live
 there), the dataset settings tokenizing reads, the tokenizer libraries' versions and the
 source of `data`, which does the tokenizing. Any change is a new name, so an entry is never
 stale; the entries of earlier settings are left where they are. Entries are written whole
@@ -21,6 +22,7 @@ share `output.uri` (local paths on several hosts) therefore tokenize at every st
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib.metadata
 import io
@@ -42,14 +44,24 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 _NOT_TOKENIZING = {"train", "eval", "packing"}
 
 
-def entry_name(data_bytes: bytes, model_files: dict[str, bytes], spec: DatasetSpec, versions: dict[str, str]) -> str:
-    """The cache entry's file name: a digest of everything the tokenized examples depend on. Pure."""
+def content_id(data_bytes: bytes) -> str:
+    """A data file's content in an entry's name: its MD5 (base64, as GCS keeps it) and its size. Pure."""
+    return _content_id(base64.b64encode(hashlib.md5(data_bytes).digest()).decode(), len(data_bytes))
+
+
+def _content_id(md5_base64: str, size: int) -> str:
+    return f"{md5_base64}:{size}"
+
+
+def entry_name(data_id: str, model_files: dict[str, bytes], spec: DatasetSpec, versions: dict[str, str]) -> str:
+    """The cache entry's file name: a digest of everything the tokenized examples depend on (`data_id`:
+    the data file's `content_id`). Pure."""
     digest = hashlib.sha256()
     for part in (
         json.dumps(spec.model_dump(mode="json", exclude=_NOT_TOKENIZING), sort_keys=True),
         json.dumps(versions, sort_keys=True),
         *(f"{name}:{hashlib.sha256(content).hexdigest()}" for name, content in sorted(model_files.items())),
-        hashlib.sha256(data_bytes).hexdigest(),
+        data_id,
     ):
         digest.update(part.encode() + b"\0")
     return f"{digest.hexdigest()}.npz"
@@ -115,26 +127,36 @@ class TokenCache:
 
     def tokenized(self, uri: str) -> tuple[data.TokenizedDataset, int]:
         """`uri`'s tokenized examples and the tokenizer's padding id."""
-        raw = storage.read_bytes(uri)
-        entry = storage.join(self.root, entry_name(raw, self._model_files, self.spec, self._versions))
-        found = self._read(entry)
+        raw: bytes | None = None
+        known = storage.md5_and_size(uri)  # a gs:// object's, from its metadata: no download
+        if known is None:
+            raw = storage.read_bytes(uri)
+            data_id = content_id(raw)
+        else:
+            data_id = _content_id(*known)
+        found = self._read(self._entry(data_id))
         if _agreed(self.share, found is not None):
             assert found is not None
             log.info("%s: %d examples read from %s (tokenized at an earlier start of this run)", uri,
-                     len(found[0].examples), entry)  # fmt: skip
+                     len(found[0].examples), self._entry(data_id))  # fmt: skip
             return found
         if self._tokenizer is None:
             self._tokenizer = data.load_tokenizer(self.model_dir)
         tokenizer = self._tokenizer
+        raw = storage.read_bytes(uri) if raw is None else raw
         dataset = data.tokenize_file(uri, self.spec, tokenizer, self.share, raw=raw)
         pad_id = data.padding_id(tokenizer)
         if self.primary:
+            entry = self._entry(content_id(raw))  # of the bytes tokenized, should the object have changed since
             try:
                 storage.write_bytes(entry, encode(dataset, pad_id))
             except Exception as e:  # only a restart's time is lost; a broken output fails the checkpoints, by name
                 log.warning("could not keep the tokenized dataset in %s (%s); a restart tokenizes it again", entry, e)
         self.share.allgather(b"")  # all go on once it is written: a later read of the same file finds it on every process
         return dataset, pad_id
+
+    def _entry(self, data_id: str) -> str:
+        return storage.join(self.root, entry_name(data_id, self._model_files, self.spec, self._versions))
 
     @staticmethod
     def _read(entry: str) -> tuple[data.TokenizedDataset, int] | None:
