@@ -23,6 +23,11 @@ from test_operator_e2e import _cond, _phase, adc, lft
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 RUNS = [f"fault-{i}" for i in range(6)]
+#: Seconds each wait allows. Faults can stack on one object: kopf retries a failed reconcile after
+#: 5 s and throttles an object after an error in its own API calls (1, 1, 2, 3, 5, 8 s ...); under
+#: a loaded CI machine one wait overran 30 s. Still half the 120 s resync, so only the watches and
+#: retries can drive the runs.
+WAIT = 60
 
 
 async def test_api_faults_change_no_end_state_child_or_event():
@@ -32,20 +37,20 @@ async def test_api_faults_change_no_end_state_child_or_event():
             await h.create(lft(name, output=f"gs://runs-bucket/{name}", suspend=i == 0))
         await h.create(adc("fault-conv"))
         for name in RUNS:
-            await h.wait_for(lambda name=name: h.get("JobSet", name), what=f"JobSet {name}")
+            await h.wait_for(lambda name=name: h.get("JobSet", name), timeout=WAIT, what=f"JobSet {name}")
         for name in RUNS[1:]:
             await h.jobset_running(name)
-            await h.wait_for_status("LoraFinetune", name, _phase("Running"))
-        await h.wait_for_status("LoraFinetune", RUNS[0], _phase("Suspended"))
+            await h.wait_for_status("LoraFinetune", name, _phase("Running"), timeout=WAIT)
+        await h.wait_for_status("LoraFinetune", RUNS[0], _phase("Suspended"), timeout=WAIT)
 
         await h.patch_spec("LoraFinetune", RUNS[1], {"suspend": True})
-        await h.wait_for(lambda: _suspended(h, RUNS[1], True), what="the JobSet suspended")
-        await h.wait_for_status("LoraFinetune", RUNS[1], _phase("Suspended"))
+        await h.wait_for(lambda: _suspended(h, RUNS[1], True), timeout=WAIT, what="the JobSet suspended")
+        await h.wait_for_status("LoraFinetune", RUNS[1], _phase("Suspended"), timeout=WAIT)
         for name in RUNS[:2]:
             await h.patch_spec("LoraFinetune", name, {"suspend": False})
-            await h.wait_for(lambda name=name: _suspended(h, name, False), what=f"JobSet {name} resumed")
+            await h.wait_for(lambda name=name: _suspended(h, name, False), timeout=WAIT, what=f"JobSet {name} resumed")
             await h.jobset_running(name)
-            await h.wait_for_status("LoraFinetune", name, _phase("Running"))
+            await h.wait_for_status("LoraFinetune", name, _phase("Running"), timeout=WAIT)
 
         old = (await h.get("JobSet", RUNS[2]))["metadata"]["uid"]
         await h.delete("JobSet", RUNS[2])
@@ -57,15 +62,15 @@ async def test_api_faults_change_no_end_state_child_or_event():
         for name in RUNS[3:5]:  # their TTL deletes them at once; the tracking finalizer holds them
             await h.delete("JobSet", name)
         for name in [f"{n}-export" for n in RUNS] + ["fault-conv-convert"]:
-            await h.wait_for(lambda name=name: h.get("Job", name), what=f"Job {name}")
+            await h.wait_for(lambda name=name: h.get("Job", name), timeout=WAIT, what=f"Job {name}")
             await h.job_finished(name)
         for name in RUNS:
-            status = (await h.wait_for_status("LoraFinetune", name, _phase("Succeeded")))["status"]
+            status = (await h.wait_for_status("LoraFinetune", name, _phase("Succeeded"), timeout=WAIT))["status"]
             assert status["adapterUri"] == f"gs://runs-bucket/{name}/hf-adapter"
             assert _cond(status, "Succeeded")["reason"] == "ExportSucceeded"
-        await h.wait_for_status("AdapterConversion", "fault-conv", _phase("Succeeded"))
+        await h.wait_for_status("AdapterConversion", "fault-conv", _phase("Succeeded"), timeout=WAIT)
         for name in RUNS[3:5]:  # let go once the run said what it did
-            await h.gone("JobSet", name)
+            await h.gone("JobSet", name, timeout=WAIT)
         await h.stop_operator()
         proxy.enabled = False
 
