@@ -90,7 +90,6 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
         self.eval_aux.append(aux)
 
 
-
 class StateStep:
     """A step `body(model, optimizer, inputs) -> outputs` as one `jax.jit` over flat lists of arrays:
     the frozen base passed in and never returned, everything else (LoRA, optimizer, RNG counts)
