@@ -6,13 +6,14 @@ importing transformers for the tokenizer), minutes for a large file (issue 21).
 
 An entry is named by a digest of everything its tokens depend on: the data file's content (its
 MD5 and size, which GCS keeps for an object, so a restart reads a gs:// file's from its metadata
-and never downloads the file when its entry is there), the files of the model directory other than weights (the tokenizer and its chat template live
-there), the dataset settings tokenizing reads, the tokenizer libraries' versions and the
-source of `data`, which does the tokenizing. Any change is a new name, so an entry is never
-stale; the entries of earlier settings are left where they are. Entries are written whole
-(`storage.write_bytes`: a temporary and a rename, or one GCS upload) by the first process,
-after the data was tokenized without error, and an unreadable entry is tokenized again; one
-that cannot be written is a warning (only a restart's time is at stake).
+and never downloads the file when its entry is there), the files of the model directory other
+than weights (the tokenizer and its chat template live there), the dataset settings tokenizing
+reads, the tokenizer libraries' versions and the source of `data`, which does the tokenizing.
+Any change is a new name, so an entry is never stale; the entries of earlier settings are left
+where they are. Entries are written whole (`storage.write_bytes`: a temporary and a rename, or
+one GCS upload) by the first process, after the data was tokenized without error, and an
+unreadable entry is tokenized again; one that cannot be written is a warning (only a restart's
+time is at stake).
 
 Every process of a run decides together: each reads the entry, and only when every one of
 them could does the run skip tokenizing; otherwise all of them tokenize their shares and pool
@@ -45,8 +46,9 @@ _NOT_TOKENIZING = {"train", "eval", "packing"}
 
 
 def content_id(data_bytes: bytes) -> str:
-    """A data file's content in an entry's name: its MD5 (base64, as GCS keeps it) and its size. Pure."""
-    return _content_id(base64.b64encode(hashlib.md5(data_bytes).digest()).decode(), len(data_bytes))
+    """A data file's content in an entry's name: its MD5 (base64, as GCS keeps it) and its size. Pure.
+    MD5 identifies content here, as GCS uses it; it guards nothing (FIPS builds allow it so)."""
+    return _content_id(base64.b64encode(hashlib.md5(data_bytes, usedforsecurity=False).digest()).decode(), len(data_bytes))
 
 
 def _content_id(md5_base64: str, size: int) -> str:
