@@ -78,8 +78,8 @@ class AsyncSaves:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-save")
         self._handoff: Future[None] | None = None  # `store.save` running on the thread
         self._pending: list[int] = []  # steps handed off and not yet announced, oldest first
-        self._snapshot: dict[str, Any] | None = None  # `store.save`'s arguments, not yet handed off
-        self._snapshot_seconds = (0.0, 0.0)  # what `start` cost the loop: flushing metrics, copying on the device
+        # `store.save`'s arguments not yet handed off, with what taking them cost the loop (flushing metrics, copying on the device)
+        self._snapshot: tuple[dict[str, Any], tuple[float, float]] | None = None
 
     def start(self, step: int) -> None:
         """Begin saving `step`: copy its state on the devices; the next `poll` hands it off.
@@ -91,10 +91,10 @@ class AsyncSaves:
         start = time.perf_counter()
         self.sink.flush()
         flushed = time.perf_counter()
-        self._snapshot = {"step": step, "lora": _device_copy(lora_state(self.trainer.model)),
-                          "optimizer": _device_copy(tunix_trainer.optimizer_state(self.trainer)),
-                          "data": self.stream.state(), "metadata": self.metadata}
-        self._snapshot_seconds = (flushed - start, time.perf_counter() - flushed)
+        snapshot = {"step": step, "lora": _device_copy(lora_state(self.trainer.model)),
+                    "optimizer": _device_copy(tunix_trainer.optimizer_state(self.trainer)),
+                    "data": self.stream.state(), "metadata": self.metadata}
+        self._snapshot = snapshot, (flushed - start, time.perf_counter() - flushed)
         self.started = step
 
     def poll(self) -> None:
@@ -130,12 +130,12 @@ class AsyncSaves:
     def _hand_off(self) -> None:
         """Give the snapshot, if any, to the save thread, one handoff at a time (a checkpoint interval
         is far longer than a handoff, so the wait for the previous one is nil in practice)."""
-        snapshot, self._snapshot = self._snapshot, None
-        if snapshot is None:
+        taken, self._snapshot = self._snapshot, None
+        if taken is None:
             return
         self._settle()
-        self._handoff = self._executor.submit(self._save, snapshot, self._snapshot_seconds)
-        self._pending.append(snapshot["step"])
+        self._handoff = self._executor.submit(self._save, *taken)
+        self._pending.append(taken[0]["step"])
 
     def _save(self, snapshot: dict[str, Any], snapshot_seconds: tuple[float, float]) -> None:
         """On the save thread: the host copy, then Orbax's save (its commit goes on in the background).

@@ -133,23 +133,24 @@ class TokenCache:
         known = storage.md5_and_size(uri)  # a gs:// object's, from its metadata: no download
         if known is None:
             raw = storage.read_bytes(uri)
-            data_id = content_id(raw)
+            entry = self._entry(content_id(raw))
         else:
-            data_id = _content_id(*known)
-        found = self._read(self._entry(data_id))
+            entry = self._entry(_content_id(*known))
+        found = self._read(entry)
         if _agreed(self.share, found is not None):
             assert found is not None
             log.info("%s: %d examples read from %s (tokenized at an earlier start of this run)", uri,
-                     len(found[0].examples), self._entry(data_id))  # fmt: skip
+                     len(found[0].examples), entry)  # fmt: skip
             return found
         if self._tokenizer is None:
             self._tokenizer = data.load_tokenizer(self.model_dir)
         tokenizer = self._tokenizer
-        raw = storage.read_bytes(uri) if raw is None else raw
+        if raw is None:  # named from the object's metadata: download it, and name the entry by the bytes tokenized
+            raw = storage.read_bytes(uri)
+            entry = self._entry(content_id(raw))
         dataset = data.tokenize_file(uri, self.spec, tokenizer, self.share, raw=raw)
         pad_id = data.padding_id(tokenizer)
         if self.primary:
-            entry = self._entry(content_id(raw))  # of the bytes tokenized, should the object have changed since
             try:
                 storage.write_bytes(entry, encode(dataset, pad_id))
             except Exception as e:  # only a restart's time is lost; a broken output fails the checkpoints, by name
