@@ -245,4 +245,5 @@ def test_scanned_layers_stack_across_two_processes_and_train_the_unrolled_adapte
     a, _ = checkpoint.read_lora(str(tmp_path / "one" / "out" / "checkpoints"))
     b, _ = checkpoint.read_lora(str(tmp_path / "two" / "out" / "checkpoints"))
     assert len(a) == 14 and a.keys() == b.keys()
-    assert max(float(np.max(np.abs(a[m][n] - b[m][n]))) for m in a for n in a[m]) <= 1e-6
+    # float32 sums in another order (two processes, scanned layers) after 3 steps
+    assert max(float(np.max(np.abs(a[m][n] - b[m][n]))) for m in a for n in a[m]) <= 2e-6

@@ -31,27 +31,36 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     Targets must lie in [0, vocab): callers mask the positions they do not count (weight 0)
     rather than passing an out-of-range id.
     """
-    return _forward(logits, targets)[0]
+    return nll_and_lse(logits, targets)[0]
 
 
-def _forward(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+def nll_and_lse(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token nll and log-sum-exp (both float32) of `logits` [..., vocab]; the forward of `token_nll`."""
     peak = jnp.max(logits, axis=-1, keepdims=True).astype(jnp.float32)  # the max of the logits' own dtype: exact
     lse = (peak + jnp.log(jnp.sum(jnp.exp(logits.astype(jnp.float32) - peak), axis=-1, keepdims=True)))[..., 0]
     return lse - _target(logits, targets), lse
 
 
 def _fwd(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    nll, lse = _forward(logits, targets)
+    nll, lse = nll_and_lse(logits, targets)
     return nll, (logits, targets, lse)
 
 
 def _bwd(res: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, None]:
     """d nll / d logits = softmax(logits) - onehot(target), times the cotangent; none for the int targets."""
     logits, targets, lse = res
+    return logits_grad(logits, targets, lse, g), None
+
+
+def logits_grad(logits: jax.Array, targets: jax.Array, lse: jax.Array, g: jax.Array | None = None) -> jax.Array:
+    """`(softmax(logits) - onehot(target)) * g` in the logits' dtype (g: per-token cotangent; None: 1).
+
+    One elementwise pass: the target's one-hot is a comparison with an iota, never a scatter.
+    """
     x = _as_bits(logits, _bf16_bits_to_f32, lambda v: v.astype(jnp.float32))
     onehot = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == targets[..., None]
-    grad = (jnp.exp(x - lse[..., None]) - onehot) * g[..., None]
-    return grad.astype(logits.dtype), None
+    grad = jnp.exp(x - lse[..., None]) - onehot
+    return (grad if g is None else grad * g[..., None]).astype(logits.dtype)
 
 
 token_nll.defvjp(_fwd, _bwd)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lora_trainer.cross_entropy import token_nll
+from lora_trainer import fused_head
 from lora_trainer.models.attention import SegmentMask
 
 
@@ -55,16 +55,18 @@ def lm_loss(
     token of the optimizer step alike; the aux `loss` is always this batch's own mean.
 
     A target counts only if it is in the loss mask and in the same packed example as the
-    token predicting it. Every position's logits are used as they come (the last position,
+    token predicting it. A model whose head defers (`fused_head`) never forms the whole logits;
+    one that returns them is scored from them. Every position's logits are used as they come (the last position,
     which predicts nothing, gets weight 0): slicing `logits[:, :-1]` would copy the
     [batch, seq, vocab] tensor forward and pad its gradient back, the two largest
     non-matmul costs of a step on the benchmark model.
     """
-    logits, _ = model(input_tokens, positions, None, attention_mask)
+    with fused_head.deferred() as head:
+        logits, _ = model(input_tokens, positions, None, attention_mask)  # empty if the head deferred
     targets = jnp.roll(input_tokens, -1, axis=1)
     weight = (input_mask[:, 1:] > 0) & (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
     weight = jnp.pad(weight, ((0, 0), (0, 1))).astype(jnp.float32)
-    nll = token_nll(logits, targets)  # float32, from the logits in their own dtype (see cross_entropy)
+    nll = head.token_nll(logits, targets)  # float32, from the logits in their own dtype (see cross_entropy)
     n = weight.sum()
     total = (nll * weight).sum()
     loss = total / jnp.maximum(n, 1.0)

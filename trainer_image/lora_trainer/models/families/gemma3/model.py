@@ -25,7 +25,7 @@ from tunix.models.gemma3 import model as tunix_gemma3
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
 from lora_trainer.models.attention import causal_gqa_attention
-from lora_trainer.models.families.common import head_dim, require, use_attention, use_decoder_layer
+from lora_trainer.models.families.common import head_dim, require, use_attention, use_decoder_layer, use_deferred_head
 
 Norm = tunix_gemma3.QueryPreAttentionNormalisation
 LOCAL, GLOBAL = tunix_gemma3.AttentionType.LOCAL_SLIDING, tunix_gemma3.AttentionType.GLOBAL
@@ -59,6 +59,7 @@ class Attention(tunix_gemma3.Attention):
 
 use_attention(tunix_gemma3, Attention)
 use_decoder_layer(tunix_gemma3)
+use_deferred_head(tunix_gemma3)
 
 
 class SplitKV(nnx.Module):

@@ -17,7 +17,7 @@ from tunix.models.llama3 import model as tunix_llama3
 
 from lora_trainer.models import rope
 from lora_trainer.models.attention import causal_gqa_attention
-from lora_trainer.models.families.common import decoder_dims, require, use_attention, use_decoder_layer
+from lora_trainer.models.families.common import decoder_dims, require, use_attention, use_decoder_layer, use_deferred_head
 from lora_trainer.models.layer_stack import ScansLayers
 
 rope.install_seam(tunix_llama3)
@@ -39,6 +39,7 @@ class Attention(tunix_llama3.Attention):
 
 use_attention(tunix_llama3, Attention)
 use_decoder_layer(tunix_llama3)
+use_deferred_head(tunix_llama3)
 
 
 class Llama3(rope.RopeFromConfig, ScansLayers, tunix_llama3.Llama3):

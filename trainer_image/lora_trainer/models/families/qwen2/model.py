@@ -18,7 +18,7 @@ from tunix.models.qwen2 import model as tunix_qwen2
 from lora_trainer.errors import UserError
 from lora_trainer.models import rope
 from lora_trainer.models.attention import SegmentMask, causal_gqa_attention
-from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention, use_decoder_layer
+from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention, use_decoder_layer, use_deferred_head
 from lora_trainer.models.layer_stack import ScansLayers
 
 
@@ -57,6 +57,7 @@ class Attention(tunix_qwen2.Attention):
 use_attention(tunix_qwen2, Attention)
 use_decoder_layer(tunix_qwen2)
 einsum_taking_quantized_weights(tunix_qwen2)
+use_deferred_head(tunix_qwen2)
 
 
 def tunix_config(hf_config: Mapping[str, Any], dtype: jnp.dtype = jnp.float32) -> tunix_qwen2.ModelConfig:

@@ -17,7 +17,7 @@ from tunix.models.qwen3 import model as tunix_qwen3
 
 from lora_trainer.models import rope
 from lora_trainer.models.attention import causal_gqa_attention
-from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention, use_decoder_layer
+from lora_trainer.models.families.common import decoder_dims, einsum_taking_quantized_weights, require, use_attention, use_decoder_layer, use_deferred_head
 from lora_trainer.models.layer_stack import ScansLayers
 
 rope.install_seam(tunix_qwen3)
@@ -44,6 +44,7 @@ class Attention(tunix_qwen3.Attention):
 use_attention(tunix_qwen3, Attention)
 use_decoder_layer(tunix_qwen3)
 einsum_taking_quantized_weights(tunix_qwen3)
+use_deferred_head(tunix_qwen3)
 
 
 class Qwen3(rope.RopeFromConfig, ScansLayers, tunix_qwen3.Qwen3):
