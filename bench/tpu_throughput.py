@@ -31,6 +31,7 @@ section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -40,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,9 @@ CASES: dict[str, tuple[str, int, int, int, dict[str, Any]]] = {
     "3b-lora": ("3b", 2048, 2, 4, {}),
     # `dots` keeps each layer's products, nearly what `none` keeps: half the micro-batch of `full` (`auto`).
     "1b-lora-dots": ("1b", 2048, 2, 4, {"training": {"remat": "dots"}}),
+    # The target's micro-batch: fits under `dots` since the loss no longer keeps whole logits (`fused_head`).
+    "1b-lora-dots-mb4": ("1b", 2048, 4, 2, {"training": {"remat": "dots"}}),
+    "1b-lora-none-mb4": ("1b", 2048, 4, 2, {"training": {"remat": "none"}}),
     "3b-lora-dots": ("3b", 2048, 1, 8, {"training": {"remat": "dots"}}),
     # Scanned layers (`training.scanLayers`), against the unrolled cases above.
     "1b-lora-dots-scanned": ("1b", 2048, 2, 4, {"training": {"remat": "dots", "scanLayers": True}}),
@@ -91,6 +96,10 @@ CASES: dict[str, tuple[str, int, int, int, dict[str, Any]]] = {
     # Scanned: 32 unrolled QLoRA layers would compile for about 13 minutes (16 took 390 s).
     "8b-qlora": ("8b", 2048, 2, 4, {"lora": {"quantization": {"weightQtype": "nf4", "tileSize": 64}},
                                     "training": {"remat": "full", "scanLayers": True}}),
+    # The same under `dots` at micro-batch 1: the layers' products (~0.18 GB each at 1 x 2048) kept
+    # rather than the forward run again with its dequantizations; the logits no longer kept (`fused_head`).
+    "8b-qlora-dots": ("8b", 2048, 1, 8, {"lora": {"quantization": {"weightQtype": "nf4", "tileSize": 64}},
+                                         "training": {"remat": "dots", "scanLayers": True}}),
     "1b-full-ft": ("1b", 2048, 2, 1, {}),
     "tiny-lora": ("tiny", 256, 2, 2, {}),
     "tiny-full-ft": ("tiny", 256, 2, 1, {}),
@@ -274,7 +283,7 @@ def _summary(run: dict[str, Any], case: str) -> dict[str, Any]:
     if plain:
         # What a save adds: the wall time of the CHECKPOINT_EVERY steps after it (its snapshot, then its
         # host copy and Orbax's work on the save thread) over as many plain steps. A process's first save
-        # also compiles the device copy, so it is reported apart.
+        # is reported apart (until the sixth session it also compiled the device copy).
         base = statistics.median(plain)
         extra = [sum(gaps[s] - base for s in range(after, after + CHECKPOINT_EVERY))
                  for after in sorted(gaps) if (after - 1) % CHECKPOINT_EVERY == 0 and after > 1
@@ -419,9 +428,10 @@ def check_splash() -> dict[str, Any]:
 # --------------------------------------------------------------------------- where the step's time goes
 
 
-#: (attention kernel, remat policy, micro-batch) of the study: one variable at a time. The XLA
-#: attention's rows (2026-12-05: 12-19% slower per token than splash) are in docs/benchmarks.md.
-STUDY = [("splash", "none", 4), ("splash", "dots", 4), ("splash", "full", 4), ("splash", "dots", 1), ("splash", "dots", 2)]
+#: (attention kernel, remat policy, micro-batch, LM head) of the study: one variable at a time. The
+#: XLA attention's rows (2026-12-05: 12-19% slower per token than splash) and the other policies'
+#: are in docs/benchmarks.md. "logits" is the loss from whole logits, as before `fused_head`.
+STUDY = [("splash", "dots", 4, "logits"), ("splash", "dots", 4, "fused"), ("splash", "none", 4, "logits"), ("splash", "none", 4, "fused")]
 
 
 def _study_model(work: Path, shape: str, layers: int) -> Path:
@@ -453,6 +463,23 @@ def _study_trainer(model_dir: Path, policy: str, *, splash: bool, quantization: 
     return trainer, loaded
 
 
+@contextlib.contextmanager
+def _head(kind: str) -> Iterator[None]:
+    """The LM head as the study's row asks: "fused" (the trainer's), or "logits" (no head defers, so
+    the loss is computed from whole logits, the path before `fused_head`)."""
+    from lora_trainer import fused_head
+
+    if kind == "fused":
+        yield
+        return
+    defer = fused_head.defer
+    fused_head.defer = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        fused_head.defer = defer
+
+
 def _timed_step(trainer: Any, micro_batches: list[dict[str, np.ndarray]]) -> float:
     start = time.perf_counter()
     trainer.train([dict(b) for b in micro_batches])
@@ -471,16 +498,18 @@ def study(work: Path, shape: str = "1b", layers: int = 4, seq: int = 2048) -> li
 
     model_dir = _study_model(work, shape, layers)
     rows = []
-    for kernel, policy, micro in STUDY:
+    for kernel, policy, micro, head in STUDY:
         batch = _study_batch(micro, seq, seed=micro)
         trainer, loaded = _study_trainer(model_dir, policy, splash=kernel == "splash")
-        compile_seconds = _timed_step(trainer, [batch])
-        seconds = statistics.median(_timed_step(trainer, [batch]) for _ in range(5))
+        with _head(head):
+            compile_seconds = _timed_step(trainer, [batch])
+            seconds = statistics.median(_timed_step(trainer, [batch]) for _ in range(5))
+            memory = compiled_memory(trainer, {k: jnp.asarray(v) for k, v in batch.items()})
         tokens_per_second = micro * seq / seconds
         flops = train._flops_per_token(trainer.model, loaded.hf_config, seq)
-        rows.append({"attention": kernel, "remat": policy, "micro": micro, "step": seconds, "tokens_per_second": tokens_per_second,
-                     "mfu": tokens_per_second * flops / PEAK, "compile": compile_seconds,
-                     "memory": compiled_memory(trainer, {k: jnp.asarray(v) for k, v in batch.items()})})
+        rows.append({"attention": kernel, "remat": policy, "micro": micro, "head": head, "step": seconds,
+                     "tokens_per_second": tokens_per_second, "mfu": tokens_per_second * flops / PEAK, "compile": compile_seconds,
+                     "memory": memory})
         print(json.dumps(rows[-1]), flush=True)
         del trainer, loaded
         jax.clear_caches()
