@@ -56,7 +56,7 @@ def lm_loss(
 
     A target counts only if it is in the loss mask and in the same packed example as the
     token predicting it. A model whose head defers (`fused_head`) never forms the whole logits;
-    one that returns them is scored from them. Every position's logits are used as they come (the last position,
+    one that returns them is scored from them. Every position is scored (the last position,
     which predicts nothing, gets weight 0): slicing `logits[:, :-1]` would copy the
     [batch, seq, vocab] tensor forward and pad its gradient back, the two largest
     non-matmul costs of a step on the benchmark model.
