@@ -51,7 +51,7 @@ def _each_array(tree: Any, take: Any, transform: Any) -> Any:
 def _device_copy(tree: Any) -> Any:
     """A copy of every array on its own devices, enqueued before the next step donates the
     originals: one batched transfer (not one dispatch per array: a 1B model's adapter and optimizer
-    state are ~700 arrays), and no program. A jitted copy took 3.2-3.3 s to compile at each
+    state are ~700 arrays), and no program. A jitted copy took 3.2-3.6 s to compile at each
     process's first save on a v5e chip; the transfer dispatches 700 arrays in 0.03-0.05 s. Each
     array's own sharding is named: a multi-host array has devices of other processes too."""
     return _each_array(tree, lambda x: True, lambda xs: jax.device_put(xs, [x.sharding for x in xs], may_alias=False))

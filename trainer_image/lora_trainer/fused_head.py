@@ -88,11 +88,15 @@ def deferred() -> Iterator[Deferral]:
 
 def defer(module: nnx.Module, hidden: jax.Array, weight: Any, *, vocab_major: bool) -> jax.Array | None:
     """Called by a head module with its operands: inside `deferred()`, with a plain array weight
-    (not Qwix's quantized value) and no LoRA parameters on the module, record them and return the
+    (not Qwix's quantized value) and no LoRA parameters on the module, record them (in the
+    module's compute `dtype` where it has one, as Tunix's qwen heads cast them) and return the
     placeholder logits; otherwise None (the module computes its logits)."""
     deferral = _DEFERRED.get()
     if deferral is None or not isinstance(weight, jax.Array) or nnx.state(module, nnx.LoRAParam):
         return None
+    dtype = getattr(module, "dtype", None)
+    if dtype is not None:
+        hidden, weight = jnp.astype(hidden, dtype), jnp.astype(weight, dtype)
     deferral.head = HeadInput(hidden, weight, vocab_major)
     return jnp.zeros((*hidden.shape[:-1], 0), hidden.dtype)
 

@@ -114,8 +114,8 @@ def use_deferred_head(module: ModuleType) -> None:
     """Make the Tunix model `module` build an embedder and LM head that hand their operands to
     `fused_head.deferred()`, so the loss computes the logits chunk by chunk (see there).
 
-    Both keep Tunix's computation outside that block, and the casts Tunix applies to the operands
-    (qwen's `dtype`) inside it. The same kind of seam as `use_attention`. Idempotent.
+    Both keep Tunix's computation outside that block. The same kind of seam as `use_attention`.
+    Idempotent.
     """
     if getattr(module.Embedder, "defers_head", False):
         return
@@ -124,24 +124,13 @@ def use_deferred_head(module: ModuleType) -> None:
         defers_head = True
 
         def decode(self, x: Any) -> Any:
-            out = fused_head.defer(self, *_cast(self, x, self.input_embedding.value), vocab_major=True)
+            out = fused_head.defer(self, x, self.input_embedding.value, vocab_major=True)
             return super().decode(x) if out is None else out
 
     class Einsum(module.Einsum):  # type: ignore[name-defined,misc]
         def __call__(self, x: Any) -> Any:
-            out = None
-            if self.einsum_str == HEAD_EINSUM:
-                out = fused_head.defer(self, *_cast(self, x, self.w.value), vocab_major=False)
+            out = fused_head.defer(self, x, self.w.value, vocab_major=False) if self.einsum_str == HEAD_EINSUM else None
             return super().__call__(x) if out is None else out
 
     module.Embedder = Embedder
     module.Einsum = Einsum
-
-
-def _cast(head: nnx.Module, x: jax.Array, w: Any) -> tuple[jax.Array, Any]:
-    """The head's operands in its compute dtype, where the module has one (Tunix's qwen models).
-    A weight that is not an array (Qwix's quantized value) is left as it is: it is never deferred."""
-    dtype = getattr(head, "dtype", None)
-    if dtype is None or not isinstance(w, jax.Array):
-        return x, w
-    return jnp.astype(x, dtype), jnp.astype(w, dtype)
