@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lora_trainer import cross_entropy
+from lora_trainer.accumulating_dot import contract
 
 #: The most float32 logits one chunk may hold (bytes). A chunk is a [batch, seq / n, vocab] slice;
 #: 512 MiB is 4 x 256 tokens of Llama 3's vocabulary: products still wide enough for the matrix unit.
@@ -116,24 +117,26 @@ def _chunk_count(batch: int, length: int, vocab: int, chunk_bytes: int) -> int:
     return length
 
 
+def _weight_subscripts(vocab_major: bool) -> str:
+    return "vd" if vocab_major else "dv"
+
+
 def _product(hidden: jax.Array, weight: jax.Array, vocab_major: bool) -> jax.Array:
-    """hidden [..., D] times the head weight: logits [..., V], summed in float32 and rounded once."""
-    dims = (((hidden.ndim - 1,), (1 if vocab_major else 0,)), ((), ()))
-    return jax.lax.dot_general(hidden, weight, dims, preferred_element_type=jnp.float32).astype(hidden.dtype)
+    """hidden [B, T, D] times the head weight: logits [B, T, V], summed in float32 and rounded once."""
+    return contract("btd", _weight_subscripts(vocab_major), "btv", hidden, weight).astype(hidden.dtype)
 
 
 def _hidden_grad(dlogits: jax.Array, weight: jax.Array, vocab_major: bool) -> jax.Array:
-    """dlogits [..., V] back through the head: [..., D] in float32."""
-    dims = (((dlogits.ndim - 1,), (0 if vocab_major else 1,)), ((), ()))
-    return jax.lax.dot_general(dlogits, weight, dims, preferred_element_type=jnp.float32)
+    """dlogits [B, T, V] back through the head: [B, T, D] in float32."""
+    return contract("btv", _weight_subscripts(vocab_major), "btd", dlogits, weight)
 
 
 def _weight_grad(hidden: jax.Array, dlogits: jax.Array, vocab_major: bool) -> jax.Array:
-    """The head weight's gradient from one chunk, in float32, in the weight's layout."""
-    lead = tuple(range(hidden.ndim - 1))
-    if vocab_major:
-        return jax.lax.dot_general(dlogits, hidden, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
-    return jax.lax.dot_general(hidden, dlogits, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    """The head weight's gradient from one chunk, in float32, in the weight's layout. The chunk's tokens
+    are made one axis first: contracting batch and sequence apart, XLA:CPU refused the bfloat16 dot
+    ("Unsupported element type for DotThunk: BF16 x BF16 = F32")."""
+    h, g = hidden.reshape(-1, hidden.shape[-1]), dlogits.reshape(-1, dlogits.shape[-1])
+    return contract("nd", "nv", _weight_subscripts(vocab_major), h, g)
 
 
 def _split(x: jax.Array, n: int) -> jax.Array:
