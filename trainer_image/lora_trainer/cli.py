@@ -69,10 +69,13 @@ _LOCATION_FLAGS = {
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train":
+        from lora_trainer import backend_start
         from lora_trainer.config import load_train_config
+
+        cfg = load_train_config(args.config)  # a bad config fails in a quarter second, before any runtime starts
+        backend_start.start()  # the runtime starts while the trainer's modules import
         from lora_trainer.train import run_training
 
-        cfg = load_train_config(args.config)
         fields = {
             "model.source": cfg.model.source,
             "dataset.train": cfg.dataset.train,

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from lora_trainer import checkpoint, compile_cache, data, distributed, host_memory, schedule, storage, tunix_trainer
+from lora_trainer import backend_start, checkpoint, compile_cache, data, distributed, schedule, storage, tunix_trainer
 from lora_trainer import metrics as mfu_metrics
 from lora_trainer.async_saves import AsyncSaves
 from lora_trainer.config import TrainConfig, TrainingSpec
@@ -204,9 +204,8 @@ def run_training(cfg: TrainConfig, *, on_progress: ProgressCallback | None = Non
     `lora-trainer train` CLI and the local mode), Ctrl-C from a terminal is handled as SIGTERM is
     and raises Interrupted (130).
     """
-    host_memory.retain_freed_memory()  # before JAX's thread pools start (see host_memory)
+    backend_start.ready()  # malloc tuned, multi-host run joined, backend started (on a thread if the CLI began it)
     _configure_logging()
-    distributed.initialize()
     mesh = distributed.make_mesh(cfg.training.mesh)
     cache = compile_cache.location(cfg.training.compilation_cache, cfg.output.uri)
     with StopRequest(interruptible=interruptible).installed() as stop, warnings.catch_warnings(), compile_cache.persistent(cache):

@@ -1,0 +1,49 @@
+"""`backend_start`: the runtime starts on a thread while the trainer imports, and its errors reach the caller."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import pytest
+
+from lora_trainer import backend_start
+from lora_trainer.errors import UserError
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A process in which nothing started yet; records the thread each start of the runtime ran on."""
+    monkeypatch.setattr(backend_start, "_pending", None)
+    threads: list[str] = []
+    real = backend_start._start_runtime
+
+    def recorded() -> None:
+        threads.append(threading.current_thread().name)
+        real()
+
+    monkeypatch.setattr(backend_start, "_start_runtime", recorded)
+    return threads
+
+
+def test_start_begins_the_runtime_on_its_thread_and_ready_waits_for_it(fresh: list[str]) -> None:
+    backend_start.start()
+    backend_start.start()  # once per process
+    backend_start.ready()
+    assert fresh[0] == "backend-start" and fresh.count("backend-start") == 1
+    assert jax.devices()  # the backend is up
+    backend_start.ready()  # again: idempotent
+
+
+def test_a_bad_pod_environment_is_raised_in_the_thread_that_waits(fresh: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.delenv("JAX_PROCESS_COUNT", raising=False)
+    backend_start.start()
+    with pytest.raises(UserError, match="JAX_PROCESS_COUNT"):
+        backend_start.ready()
+    assert fresh[0] == "backend-start"
+
+
+def test_ready_without_start_does_the_work_in_place(fresh: list[str]) -> None:
+    backend_start.ready()
+    assert fresh == [threading.current_thread().name]

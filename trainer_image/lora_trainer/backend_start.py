@@ -1,0 +1,67 @@
+"""Start JAX's runtime on a thread while the trainer's heavy modules import.
+
+Why: every start of a training process, restarts after preemption included, pays both before
+its first step. On a v5e host, starting the TPU runtime took 5.7-7.3 s and importing JAX,
+Flax, Tunix, Qwix and Orbax 5.1 s, one after the other (docs/benchmarks.md, "Restart and
+saves"). The runtime's start is native code that does not need the interpreter, and the
+imports are Python that does not need the runtime, so the two can overlap.
+
+`start()` is called by `lora-trainer train` before it imports the trainer; `ready()` is
+where `run_training` needs the runtime. `ready()` without a `start()` (tests, library use)
+does the same work in place, and either way its effects are those of the calls it makes:
+malloc tuned before JAX's thread pools exist, the multi-host run joined before the backend
+starts (JAX requires that order), and an error raised there (a bad pod environment) raised
+again in the caller's thread, where the CLI maps it to its exit code.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from lora_trainer import host_memory
+
+_lock = threading.Lock()
+_pending: Future[None] | None = None
+
+
+def _start_runtime() -> None:
+    """Join the multi-host run (nothing for one process), then start the backend."""
+    import jax
+
+    from lora_trainer import distributed
+
+    distributed.initialize()
+    jax.devices()
+
+
+def _run(future: Future[None]) -> None:
+    try:
+        _start_runtime()
+    except BaseException as e:  # noqa: BLE001  (handed to the thread that waits in ready())
+        future.set_exception(e)
+    else:
+        future.set_result(None)
+
+
+def start() -> None:
+    """Tune malloc here, then join the run and start the backend on a daemon thread. Once per process."""
+    global _pending
+    with _lock:
+        if _pending is not None:
+            return
+        host_memory.retain_freed_memory()  # before any JAX thread exists (see host_memory)
+        _pending = Future()
+        threading.Thread(target=_run, args=(_pending,), name="backend-start", daemon=True).start()
+
+
+def ready() -> None:
+    """Return once the runtime has started: wait for `start()`'s thread and raise its error, or
+    do its work here if nothing started it. Idempotent: later calls cost nothing."""
+    with _lock:
+        pending = _pending
+    if pending is not None:
+        pending.result()
+    else:
+        host_memory.retain_freed_memory()
+    _start_runtime()
