@@ -23,7 +23,10 @@ counted (it is not model FLOPs). Peak: 197 TFLOP/s bf16 for a v5e chip.
 
 `--check` first compares the splash kernel with the XLA attention in bfloat16 on the chip;
 `--study`, `--qlora-memory` and `--save-overlap` first run the few-layer studies of the step's
-variants, of QLoRA's memory and of what a background save costs the steps it overlaps.
+variants, of QLoRA's memory and of what a background save costs the steps it overlaps;
+`--splash-tilings` times the attention kernel's tilings, and `--step-profiles` traces an 8-layer
+1B step and a 4-layer 8B QLoRA step and sums the chip's time by kind of op (attention kernel, projections, LoRA's rank-r
+products, the LM head, the rest by the ops fused in it).
 Results go to `<out>/results.json` as each case ends; `--write` also rewrites the "TPU"
 section of docs/benchmarks.md.
 """
@@ -615,11 +618,222 @@ def save_overlap(work: Path, shape: str = "3b", layers: int = 8, micro: int = 2,
     return rows
 
 
+#: Splash kernel tilings of the sweep: name -> BlockSizes fields. "512" is the trainer's
+#: (`models.splash._block`); "fused" computes dq in the dk/dv kernel; "seq-minor" keeps k and v with
+#: the sequence on the lanes, where a 64-wide head fills half of a 128-lane row.
+SPLASH_TILINGS: dict[str, dict[str, Any]] = {
+    "512": {"block": 512},
+    "1024": {"block": 1024},
+    "q512-kv1024": {"block": 512, "block_kv": 1024, "block_kv_dkv": 1024},
+    "512-fused": {"block": 512, "fused": True},
+    "1024-fused": {"block": 1024, "fused": True},
+    "512-seq-minor": {"block": 512, "seq_minor": True},
+    "512-fused-seq-minor": {"block": 512, "fused": True, "seq_minor": True},
+    "1024-fused-seq-minor": {"block": 1024, "fused": True, "seq_minor": True},
+}
+
+
+def _splash_blocks(tiling: dict[str, Any]) -> Any:
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    b = tiling["block"]
+    layout = splash.QKVLayout.SEQ_MINOR if tiling.get("seq_minor") else splash.QKVLayout.HEAD_DIM_MINOR
+    fused = tiling.get("fused", False)
+    return splash.BlockSizes(
+        block_q=b, block_kv=tiling.get("block_kv", b), block_kv_compute=b, block_q_dkv=b,
+        block_kv_dkv=tiling.get("block_kv_dkv", b), block_kv_dkv_compute=b,
+        block_q_dq=None if fused else b, block_kv_dq=None if fused else b, use_fused_bwd_kernel=fused,
+        k_layout=layout, v_layout=layout)
+
+
+def splash_tilings(work: Path, seq: int = 2048) -> list[dict[str, Any]]:
+    """Forward and backward of one layer's attention through the splash kernel, by tiling
+    (`SPLASH_TILINGS`), on the 1B (64-wide heads, micro-batch 4) and 8B (128-wide, micro-batch 2)
+    shapes: median time and its error against the trainer's tiling. `work` is unused."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    rows = []
+    for name, (b, n, kv, d) in {"1b": (4, 32, 8, 64), "8b": (2, 32, 8, 128)}.items():
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, k, v = (jax.random.normal(keys[i], (b, h, seq, d), jnp.bfloat16) for i, h in enumerate((n, kv, kv)))
+        g = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+        seg = splash.SegmentIds(q=jnp.ones((b, seq), jnp.int32), kv=jnp.ones((b, seq), jnp.int32))
+        reference = None
+        for tiling_name, tiling in SPLASH_TILINGS.items():
+            try:
+                with jax.ensure_compile_time_eval():
+                    kernel = splash.make_splash_mha(mask=splash.MultiHeadMask([splash.CausalMask((seq, seq))] * n),
+                                                    block_sizes=_splash_blocks(tiling), head_shards=1, q_seq_shards=1)
+
+                @jax.jit
+                def f(q: jax.Array, k: jax.Array, v: jax.Array, kernel: Any = kernel) -> Any:
+                    out, vjp = jax.vjp(lambda q, k, v: jax.vmap(kernel)(q, k, v, seg), q, k, v)
+                    return out, vjp(g)
+
+                got = jax.block_until_ready(f(q, k, v))
+                times = []
+                for _ in range(10):
+                    start = time.perf_counter()
+                    jax.block_until_ready(f(q, k, v))
+                    times.append(time.perf_counter() - start)
+                reference = reference or got
+                err = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) for x, y in
+                          zip(jax.tree.leaves(got), jax.tree.leaves(reference)))
+                rows.append({"shape": name, "tiling": tiling_name, "ms": 1e3 * statistics.median(times), "max_abs_diff": err})
+            except Exception as e:  # noqa: BLE001  (a tiling the kernel refuses is a row, not the end of the sweep)
+                rows.append({"shape": name, "tiling": tiling_name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def nf4_decoding(work: Path, tokens: int = 4096) -> list[dict[str, Any]]:
+    """One 8B MLP product with an nf4 weight (4096 x 14336, tiles of 64), forward and backward, with
+    Qwix's decoding (a gather from the 16-value table) against the trainer's (`quantized_product.nf4_to_fp`,
+    selects): the time each takes, and whether the values agree. `work` is unused."""
+    import jax
+    import jax.numpy as jnp
+    from qwix._src.core import numerics, qarray
+
+    from lora_trainer import quantized_product
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(keys[0], (4096, 14336), jnp.bfloat16) * 0.02
+    how = qarray.HowToQuantize(qtype="nf4", tiled_axes={0: 64}, channelwise_axes=[1])
+    wq = jax.jit(lambda w: qarray.quantize(w, how))(w)
+    x = jax.random.normal(keys[1], (tokens, 4096), jnp.bfloat16)
+    g = jax.random.normal(keys[2], (tokens, 14336), jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    rows, outputs = [], []
+    for name, decode in (("qwix-gather", quantized_product.QWIX_NF4_TO_FP), ("selects", quantized_product.nf4_to_fp)):
+        numerics.nf4_to_fp = decode  # read when the product is traced, below
+        try:
+            @jax.jit
+            def f(x: jax.Array, wq: Any) -> Any:
+                out, vjp = jax.vjp(lambda x: quantized_product.dot_general(x, wq, dims), x)
+                return out, vjp(g)[0]
+
+            outputs.append(jax.block_until_ready(f(x, wq)))
+            times = []
+            for _ in range(10):
+                start = time.perf_counter()
+                jax.block_until_ready(f(x, wq))
+                times.append(time.perf_counter() - start)
+        finally:
+            numerics.nf4_to_fp = quantized_product.nf4_to_fp
+        # ideal: the forward and the activation-gradient products at peak
+        rows.append({"decoding": name, "ms": 1e3 * statistics.median(times), "ideal_ms": 1e3 * 4 * tokens * 4096 * 14336 / PEAK})
+    rows[-1]["equal"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(*outputs))
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+?) ([\w\-]+)\((.*)$")
+_HLO_COMP = re.compile(r"^%?([\w.\-]+) .*?\{\n(.*?)\n\}", re.S | re.M)
+
+
+def hlo_kinds(hlo: str, rank: int, vocab: int) -> dict[str, tuple[str, str]]:
+    """Each instruction of an optimized TPU HLO module -> (kind, its output shape). Pure.
+
+    Kinds: `attention kernel` (a Pallas custom call), `lm head` (a product with a vocab-sized
+    shape), `rank-r` (a product with a dim of the LoRA rank), `projection` (other products: TPU
+    HLO spells them `convolution` or `dot`), else the sorted ops fused in it."""
+    bodies = {m.group(1): m.group(2) for m in _HLO_COMP.finditer(hlo)}
+    kinds: dict[str, tuple[str, str]] = {}
+    for line in hlo.splitlines():
+        m = _HLO_INSTR.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        called = re.search(r"calls=%?([\w.\-]+)", rest)
+        body = bodies.get(called.group(1), line) if called else line
+        ops = sorted({o for o in re.findall(r"= \S+ ([\w\-]+)\(", body)} - {"parameter", "bitcast", "constant", "broadcast"}) or [op]
+        dims = [[int(d) for d in x.split(",") if d] for x in re.findall(r"\w+\[([\d,]*)\]", body)]
+        if "custom-call" in ops or op == "custom-call":
+            kind = "attention kernel" if "tpu_custom_call" in body else "custom-call"
+        elif {"convolution", "dot"} & set(ops):
+            kind = "lm head" if any(vocab in d for d in dims) else "rank-r" if any(rank in d for d in dims) else "projection"
+        else:
+            kind = "+".join(ops)
+        kinds.setdefault(name, (kind, shape))
+    return kinds
+
+
+#: (shape, layers, micro-batch, remat, nf4 QLoRA) of the step profiles: the 1B target's step, and 8B
+#: QLoRA's, whose frozen products dequantize their weights.
+STEP_PROFILES = [("1b", 8, 4, "dots", False), ("8b", 4, 2, "full", True)]
+
+
+def step_profiles(work: Path) -> list[dict[str, Any]]:
+    """`step_profile` for each row of `STEP_PROFILES`."""
+    import jax
+
+    rows = []
+    for shape, layers, micro, policy, qlora in STEP_PROFILES:
+        rows.append(step_profile(work, shape, layers, micro, policy, qlora=qlora))
+        jax.clear_caches()
+    return rows
+
+
+def step_profile(work: Path, shape: str = "1b", layers: int = 8, micro: int = 4, policy: str = "dots", *,
+                 qlora: bool = False, seq: int = 2048, steps: int = 3) -> dict[str, Any]:
+    """Where the chip's time goes in one production step (LoRA r16, `policy`, one micro-batch):
+    traced with `jax.profiler`, each device op named by the step's optimized HLO and summed by
+    kind (attention kernel, LM head, projections, rank-r LoRA products, the rest by fused ops)."""
+    import collections
+    import gzip
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+
+    from lora_trainer import train
+    from lora_trainer.config import QuantizationSpec
+
+    batch = _study_batch(micro, seq)
+    quantization = QuantizationSpec(weight_qtype="nf4", tile_size=64) if qlora else None
+    trainer, loaded = _study_trainer(_study_model(work, shape, layers), policy, splash=jax.default_backend() == "tpu",
+                                     quantization=quantization)
+    compile_seconds = _timed_step(trainer, [batch])
+    seconds = statistics.median(_timed_step(trainer, [batch]) for _ in range(5))
+    inputs = trainer._prepare_inputs({k: jnp.asarray(v) for k, v in batch.items()})
+    hlo = trainer.train_step.lower(inputs).compile().as_text()
+    kinds = hlo_kinds(hlo, 16, SHAPES[shape].get("vocab_size", COMMON["vocab_size"]))
+    trace_dir = Path(tempfile.mkdtemp(prefix="step-profile-", dir=work))  # kept: open it in Perfetto for the timeline
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(steps):
+            _timed_step(trainer, [batch])
+    (trace,) = trace_dir.rglob("perfetto_trace.json.gz")
+    events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    ops = [e for e in events if e.get("ph") == "X" and e.get("name") in kinds]
+    by_kind: collections.Counter = collections.Counter()
+    by_op: collections.Counter = collections.Counter()
+    for e in ops:
+        by_kind[kinds[e["name"]][0]] += e["dur"] / steps / 1e3
+        by_op[e["name"]] += e["dur"] / steps / 1e3
+    flops = train._flops_per_token(trainer.model, loaded.hf_config, seq)
+    result = {"shape": shape, "layers": layers, "micro": micro, "remat": policy, "qlora": qlora, "step": seconds,
+              "mfu": micro * seq / seconds * flops / PEAK, "compile": compile_seconds,
+              "device_ms_per_step": sum(by_kind.values()), "ops_matched": len(ops),
+              "events": len(events), "trace": str(trace), "by_kind_ms": dict(by_kind.most_common(30)),
+              "top_ops_ms": [(n, round(t, 3), *kinds[n]) for n, t in by_op.most_common(40)]}
+    if not ops:  # names that did not match the HLO: show what the trace calls its events
+        names = collections.Counter(e.get("name") for e in events if e.get("ph") == "X")
+        result["trace_names"] = names.most_common(40)
+    print(json.dumps(result, indent=1), flush=True)
+    return result
+
+
 # --------------------------------------------------------------------------- report
 
 
 #: `--NAME` flag -> the study it runs before the cases.
-STUDIES = {"study": study, "qlora_memory": qlora_memory, "save_overlap": save_overlap}
+STUDIES = {"study": study, "qlora_memory": qlora_memory, "save_overlap": save_overlap,
+           "splash_tilings": splash_tilings, "nf4_decoding": nf4_decoding,
+           "step_profiles": step_profiles}
 
 
 def _fmt(x: Any, spec: str = ".2f") -> str:
@@ -658,6 +872,9 @@ def main() -> None:
     p.add_argument("--study", action="store_true", help="first time the step's variants on a 4-layer 1B (STUDY)")
     p.add_argument("--qlora-memory", action="store_true", help="first compare QLoRA's compiled memory by frozen product (QLORA_STUDY)")
     p.add_argument("--save-overlap", action="store_true", help="first time the steps a save overlaps, by what Orbax is given (SAVE_MODES)")
+    p.add_argument("--splash-tilings", action="store_true", help="first time the splash kernel's tilings (SPLASH_TILINGS)")
+    p.add_argument("--nf4-decoding", action="store_true", help="first time an 8B MLP product's nf4 decoding: Qwix's gather against selects")
+    p.add_argument("--step-profiles", action="store_true", help="first trace the steps of STEP_PROFILES and sum the chip's time by kind of op")
     p.add_argument("--full-ft-worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.full_ft_worker:

@@ -65,8 +65,9 @@ def test_the_frozen_weight_gets_no_gradient() -> None:
 
 
 def _dequantizations(stablehlo: str) -> int:
-    """nf4 dequantizations in a lowered program: each is a gather from the 16-entry table."""
-    return len(re.findall(r"stablehlo\.gather.*tensor<16xf32>", stablehlo))
+    """nf4 decodings in a lowered program: Qwix's gathers from the 16-entry table, or our select trees
+    (each names the table's second entry, -0.6961928, once: in its first select)."""
+    return len(re.findall(r"stablehlo\.gather.*tensor<16xf32>", stablehlo)) + len(re.findall(r"dense<-0\.6961928\d*>", stablehlo))
 
 
 def test_the_backward_dequantizes_again_once_the_cotangent_exists() -> None:
@@ -93,3 +94,17 @@ def test_the_lora_provider_uses_it() -> None:
     provider: Any = LoraProvider(module_path=".*", rank=4, alpha=8.0, weight_qtype="nf4", tile_size=64)
     assert provider._dot_general_fn is quantized_product.dot_general
     assert provider._einsum_fn is quantized_product.einsum
+
+
+def test_nf4_decoding_by_selects_equals_qwixs_table_bit_for_bit() -> None:
+    """Every one of the 16 codes, and a random weight's codes, decode to Qwix's float32 table entries."""
+    codes = jnp.arange(16, dtype=jnp.uint8).astype(jnp.uint4)
+    np.testing.assert_array_equal(np.asarray(quantized_product.nf4_to_fp(codes)), np.asarray(quantized_product.QWIX_NF4_TO_FP(codes)))
+    many = jax.random.randint(jax.random.key(0), (64, 48), 0, 16).astype(jnp.uint4)
+    got, want = quantized_product.nf4_to_fp(many), quantized_product.QWIX_NF4_TO_FP(many)
+    assert got.dtype == want.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Qwix's decoding of a QArray goes through it once this module is imported.
+    from qwix._src.core import numerics
+
+    assert numerics.nf4_to_fp is quantized_product.nf4_to_fp

@@ -30,7 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from qwix._src.core import dot_general as qwix_dot_general
 from qwix._src.core import einsum as qwix_einsum
-from qwix._src.core import qarray
+from qwix._src.core import numerics, qarray
+
+#: Qwix's own nf4 decoding (a gather from its 16-value table), kept for comparison (bench/).
+QWIX_NF4_TO_FP = numerics.nf4_to_fp
+#: Qwix's nf4 table as Python floats (its float32 values), read once outside any trace.
+_NF4_TABLE = tuple(float(v) for v in np.asarray(numerics.get_nf4_buckets(), np.float32))
 
 
 def dot_general(lhs: Any, rhs: Any, dimension_numbers: jax.lax.DotDimensionNumbers, **kwargs: Any) -> jax.Array:
@@ -74,3 +79,26 @@ def _zero_cotangent(leaf: jax.Array) -> Any:
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
         return jnp.zeros(leaf.shape, leaf.dtype)
     return np.zeros(leaf.shape, jax.dtypes.float0)
+
+
+def nf4_to_fp(codes: jax.Array) -> jax.Array:
+    """NF4 codes (uint4) -> their float32 values from Qwix's table, by a tree of 15 selects on the code's bits.
+
+    Why: Qwix decodes with a gather from the 16-value table, one element at a time (`vmap` of an
+    index). A QLoRA step decodes every frozen weight in each micro-batch's forward pass, again in
+    its backward pass, and once more where `training.remat` recomputes the forward: for an 8B model,
+    tens of billions of table lookups a step. Selects are elementwise, so XLA fuses them into the
+    product's operand like the scale multiply that follows, where a TPU gather runs as an op of its
+    own. The values are the table's float32 entries, bit for bit (tested), so the product is Qwix's.
+    """
+    bits = codes.astype(jnp.uint8)
+    level = [jnp.float32(v) for v in _NF4_TABLE]
+    for bit in range(4):  # pair entries 2k and 2k+1 by bit 0, then by bit 1, ...: 8 + 4 + 2 + 1 selects
+        on = ((bits >> bit) & 1).astype(bool)
+        level = [jnp.where(on, level[2 * k + 1], level[2 * k]) for k in range(len(level) // 2)]
+    return jnp.broadcast_to(level[0], codes.shape).astype(jnp.float32)
+
+
+# Qwix looks the decoder up in its module at each call (`numerics.convert_from`): every QLoRA
+# product, Qwix's own included, decodes through the selects above once this module is imported.
+numerics.nf4_to_fp = nf4_to_fp
