@@ -34,21 +34,28 @@ _HEAD_AXIS = "tp"
 
 
 def _block(seq_len: int) -> int:
-    """The largest block of 512, 256 or 128 that divides `seq_len` (`padded_length` makes it a multiple of 128).
+    """The largest block of 1024, 512, 256 or 128 that divides `seq_len` (`padded_length` makes it a multiple of 128).
 
-    512 was fastest on a v5e chip: 3x the XLA path's forward and backward at 2048 tokens, against
-    1.5x with 256 and slower than XLA with 128 (docs/benchmarks.md, "TPU")."""
-    return next(b for b in (512, 256, 128) if seq_len % b == 0)
+    Larger blocks were faster on a v5e chip: 512 ran forward and backward 3x as fast as the XLA
+    path at 2048 tokens, 256 1.5x, and 128 slower than XLA; 1024 with the fused backward kernel
+    (below) took 6.50 ms a 1B layer against 8.75 ms at 512 unfused (docs/benchmarks.md, "TPU")."""
+    return next(b for b in (1024, 512, 256, 128) if seq_len % b == 0)
 
 
 @functools.lru_cache(maxsize=32)
 def _kernel(heads: int, seq_len: int, window: int | None, interpret: bool) -> splash.SplashAttentionKernel:
-    """The kernel for `heads` query heads over `seq_len` tokens (causal, or a causal window), built once per shape."""
+    """The kernel for `heads` query heads over `seq_len` tokens (causal, or a causal window), built once per shape.
+
+    The backward pass is one fused kernel for dq, dk and dv (`use_fused_bwd_kernel`): the
+    separate dq kernel went over q, k, v and the output's gradient a second time. On the chip it
+    took a 1B layer's attention from 8.75 to 6.82 ms at blocks of 512, and an 8B layer's from 4.46
+    to 3.87 ms (`bench/tpu_throughput.py --splash-tilings`); keeping k and v sequence-minor, for
+    64-wide heads, gained nothing."""
     shape = (seq_len, seq_len)
     one = splash.CausalMask(shape) if window is None else splash.LocalMask(shape, window_size=(window - 1, 0), offset=0)
     b = _block(seq_len)
     blocks = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                               block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+                               block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
     with jax.ensure_compile_time_eval():  # the mask tables are constants, not values of the trace that first asks
         return splash.make_splash_mha(
             mask=splash.MultiHeadMask([one] * heads),
