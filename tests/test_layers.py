@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("operator model", {"lora_operator.api", "lora_operator.settings", "lora_operator.overlay", "lora_operator.scheduling",
                         "lora_operator.tpu", "lora_operator.images", "lora_operator.labels", "lora_operator"}),
     ("trainer entry", {"lora_trainer.cli"}),
-    ("trainer run", {"lora_trainer.train", "lora_trainer.async_saves"}),
+    ("trainer run", {"lora_trainer.train", "lora_trainer.async_saves", "lora_trainer.backend_start"}),
     ("trainer adapters", {"lora_trainer.adapters"}),
     ("trainer lora", {"lora_trainer.lora", "lora_trainer.tunix_trainer", "lora_trainer.lora_provider", "lora_trainer.loss"}),
     ("trainer parts", {"lora_trainer.models", "lora_trainer.data", "lora_trainer.checkpoint", "lora_trainer.checkpoint_metadata",
