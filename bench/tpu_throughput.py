@@ -554,7 +554,7 @@ def qlora_memory(work: Path, seq: int = 2048) -> list[dict[str, Any]]:
             quantized_product.dot_general, quantized_product.einsum = ours
         trainer.jit_train_and_eval_step()
         inputs = trainer._prepare_inputs({k: jnp.asarray(v) for k, v in batch.items()})
-        stats = trainer.train_step.lower(trainer.model, trainer.optimizer, inputs).compile().memory_analysis()
+        stats = trainer.train_step.lower(inputs).compile().memory_analysis()
         _timed_step(trainer, [batch])
         rows.append({"shape": shape, "layers": layers, "micro": micro, "remat": policy, "product": product,
                      "arguments_gib": stats.argument_size_in_bytes / 2**30, "temporaries_gib": stats.temp_size_in_bytes / 2**30,
