@@ -724,7 +724,10 @@ def nf4_decoding(work: Path, tokens: int = 4096) -> list[dict[str, Any]]:
             numerics.nf4_to_fp = quantized_product.nf4_to_fp
         # ideal: the forward and the activation-gradient products at peak
         rows.append({"decoding": name, "ms": 1e3 * statistics.median(times), "ideal_ms": 1e3 * 4 * tokens * 4096 * 14336 / PEAK})
-    rows[-1]["equal"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(*outputs))
+    # The decoded values are equal bit for bit (tests); the products may differ in the order of their sums.
+    rows[-1]["max_relative_difference"] = max(
+        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b.astype(jnp.float32))))
+        for a, b in zip(*outputs))
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
@@ -814,12 +817,19 @@ def step_profile(work: Path, shape: str = "1b", layers: int = 8, micro: int = 4,
     for e in ops:
         by_kind[kinds[e["name"]][0]] += e["dur"] / steps / 1e3
         by_op[e["name"]] += e["dur"] / steps / 1e3
+    # Events on the same device lines that the HLO does not name (the Pallas kernel's, for one).
+    lines = {(e.get("pid"), e.get("tid")) for e in ops}
+    unnamed: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") not in kinds and (e.get("pid"), e.get("tid")) in lines:
+            unnamed[e.get("name")] += e.get("dur", 0) / steps / 1e3
     flops = train._flops_per_token(trainer.model, loaded.hf_config, seq)
     result = {"shape": shape, "layers": layers, "micro": micro, "remat": policy, "qlora": qlora, "step": seconds,
               "mfu": micro * seq / seconds * flops / PEAK, "compile": compile_seconds,
               "device_ms_per_step": sum(by_kind.values()), "ops_matched": len(ops),
               "events": len(events), "trace": str(trace), "by_kind_ms": dict(by_kind.most_common(30)),
-              "top_ops_ms": [(n, round(t, 3), *kinds[n]) for n, t in by_op.most_common(40)]}
+              "top_ops_ms": [(n, round(t, 3), *kinds[n]) for n, t in by_op.most_common(40)],
+              "unnamed_ms": [(n, round(t, 3)) for n, t in unnamed.most_common(15)]}
     if not ops:  # names that did not match the HLO: show what the trace calls its events
         names = collections.Counter(e.get("name") for e in events if e.get("ph") == "X")
         result["trace_names"] = names.most_common(40)
