@@ -618,8 +618,8 @@ def save_overlap(work: Path, shape: str = "3b", layers: int = 8, micro: int = 2,
     return rows
 
 
-#: Splash kernel tilings of the sweep: name -> BlockSizes fields. "512" is the trainer's
-#: (`models.splash._block`); "fused" computes dq in the dk/dv kernel; "seq-minor" keeps k and v with
+#: Splash kernel tilings of the sweep: name -> BlockSizes fields. "1024-fused" is the trainer's
+#: (`models.splash`; "512" was, until the seventh session); "fused" computes dq in the dk/dv kernel; "seq-minor" keeps k and v with
 #: the sequence on the lanes, where a 64-wide head fills half of a 128-lane row.
 SPLASH_TILINGS: dict[str, dict[str, Any]] = {
     "512": {"block": 512},
@@ -649,7 +649,7 @@ def _splash_blocks(tiling: dict[str, Any]) -> Any:
 def splash_tilings(work: Path, seq: int = 2048) -> list[dict[str, Any]]:
     """Forward and backward of one layer's attention through the splash kernel, by tiling
     (`SPLASH_TILINGS`), on the 1B (64-wide heads, micro-batch 4) and 8B (128-wide, micro-batch 2)
-    shapes: median time and its error against the trainer's tiling. `work` is unused."""
+    shapes: median time and its largest difference from the first tiling's results. `work` is unused."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
@@ -678,7 +678,7 @@ def splash_tilings(work: Path, seq: int = 2048) -> list[dict[str, Any]]:
                     start = time.perf_counter()
                     jax.block_until_ready(f(q, k, v))
                     times.append(time.perf_counter() - start)
-                reference = reference or got
+                reference = got if reference is None else reference
                 err = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) for x, y in
                           zip(jax.tree.leaves(got), jax.tree.leaves(reference)))
                 rows.append({"shape": name, "tiling": tiling_name, "ms": 1e3 * statistics.median(times), "max_abs_diff": err})
