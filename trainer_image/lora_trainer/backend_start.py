@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from lora_trainer import host_memory
+from lora_trainer import host_memory, trainer_logging
 
 _lock = threading.Lock()
 _pending: Future[None] | None = None
@@ -51,6 +51,7 @@ def start() -> None:
         if _pending is not None:
             return
         host_memory.retain_freed_memory()  # before any JAX thread exists (see host_memory)
+        trainer_logging.configure()  # joining a multi-host run, on the thread, logs
         _pending = Future()
         threading.Thread(target=_run, args=(_pending,), name="backend-start", daemon=True).start()
 

@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import sys
 import tempfile
 import time
 import warnings
@@ -36,7 +35,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from lora_trainer import backend_start, checkpoint, compile_cache, data, distributed, schedule, storage, tunix_trainer
+from lora_trainer import backend_start, checkpoint, compile_cache, data, distributed, schedule, storage, trainer_logging, tunix_trainer
 from lora_trainer import metrics as mfu_metrics
 from lora_trainer.async_saves import AsyncSaves
 from lora_trainer.config import TrainConfig, TrainingSpec
@@ -123,31 +122,6 @@ def _comparable(key: str, value: Any) -> Any:
 # --------------------------------------------------------------------------- the run
 
 
-class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to whatever `sys.stderr` is at emit time (test harnesses and the local mode swap it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-
-    @property  # type: ignore[override]
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value: Any) -> None:
-        pass
-
-
-def _configure_logging() -> None:
-    """Trainer logs to stderr (stdout carries only the JSON progress lines)."""
-    logger = logging.getLogger("lora_trainer")
-    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        logger.addHandler(_StderrHandler())
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # libraries (absl, Tunix) may configure the root logger; print once
-
-
 def _restore_adapter(uri: str, base_source: str, family: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """An existing adapter to start from: HF PEFT (has adapter_config.json) via the converter, else Orbax."""
     if storage.exists(storage.join(uri, "adapter_config.json")):
@@ -204,8 +178,8 @@ def run_training(cfg: TrainConfig, *, on_progress: ProgressCallback | None = Non
     `lora-trainer train` CLI and the local mode), Ctrl-C from a terminal is handled as SIGTERM is
     and raises Interrupted (130).
     """
+    trainer_logging.configure()  # before the backend starts: joining a multi-host run logs
     backend_start.ready()  # malloc tuned, multi-host run joined, backend started (on a thread if the CLI began it)
-    _configure_logging()
     mesh = distributed.make_mesh(cfg.training.mesh)
     cache = compile_cache.location(cfg.training.compilation_cache, cfg.output.uri)
     with StopRequest(interruptible=interruptible).installed() as stop, warnings.catch_warnings(), compile_cache.persistent(cache):
