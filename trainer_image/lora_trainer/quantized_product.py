@@ -106,7 +106,7 @@ def nf4_to_fp(codes: jax.Array) -> jax.Array:
     for bit in range(4):  # pair entries 2k and 2k+1 by bit 0, then by bit 1, ...: 8 + 4 + 2 + 1 selects
         on = ((bits >> bit) & 1).astype(bool)
         level = [jnp.where(on, level[2 * k + 1], level[2 * k]) for k in range(len(level) // 2)]
-    return jnp.broadcast_to(level[0], codes.shape).astype(jnp.float32)
+    return level[0]  # float32, shaped as `codes`: the first selects broadcast the scalars
 
 
 # Qwix looks the decoder up in its module at each call (`numerics.convert_from`): every QLoRA
