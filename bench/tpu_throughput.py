@@ -88,6 +88,9 @@ CASES: dict[str, tuple[str, int, int, int, dict[str, Any]]] = {
     # The target's micro-batch: fits under `dots` since the loss no longer keeps whole logits (`fused_head`).
     "1b-lora-dots-mb4": ("1b", 2048, 4, 2, {"training": {"remat": "dots"}}),
     "1b-lora-none-mb4": ("1b", 2048, 4, 2, {"training": {"remat": "none"}}),
+    # Its QLoRA twin, for the QLoRA / LoRA step ratio at the fastest LoRA settings.
+    "1b-qlora-none-mb4": ("1b", 2048, 4, 2, {"lora": {"quantization": {"weightQtype": "nf4", "tileSize": 64}},
+                                             "training": {"remat": "none"}}),
     "3b-lora-dots": ("3b", 2048, 1, 8, {"training": {"remat": "dots"}}),
     # Scanned layers (`training.scanLayers`), against the unrolled cases above.
     "1b-lora-dots-scanned": ("1b", 2048, 2, 4, {"training": {"remat": "dots", "scanLayers": True}}),

@@ -5,16 +5,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 from trainer_fixtures import arithmetic_rows, parse, tiny_llama, train_config, write_jsonl
 
-from lora_trainer import checkpoint, data, schedule
+from lora_trainer import checkpoint, data, schedule, tunix_trainer
 from lora_trainer.config import DatasetSpec, LoraSpec, TrainingSpec
 from lora_trainer.errors import Preempted, UserError
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
@@ -237,6 +239,47 @@ def test_run_writes_checkpoints_metrics_progress_and_tensorboard(tmp_path):
     assert seen[-1]["loss"] == progress["loss"]
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
     assert result.final_loss == pytest.approx(progress["loss"]) and result.eval_loss is not None
+
+
+def test_the_next_step_is_queued_before_a_steps_record_waits_for_its_loss(tmp_path, monkeypatch):
+    """A record waits for its step's loss. Written before the next step was queued, the chip idled
+    while the host wrote it and fed the next step. A save's, an eval's and the last step's record
+    are written at once: their time is taken out of the interval, so the step must be done first."""
+    events: list[object] = []
+    train = tunix_trainer.LoraPeftTrainer.train
+
+    def spy(self, train_ds, *args, **kwargs):
+        if train_ds:
+            events.append("step queued")
+        return train(self, train_ds, *args, **kwargs)
+
+    monkeypatch.setattr(tunix_trainer.LoraPeftTrainer, "train", spy)
+    run_training(parse(train_config(tmp_path, str(tmp_path / "out"), steps=6, checkpointEvery=4)), on_progress=lambda r: events.append(r["step"]))
+    q = "step queued"
+    assert events[: events.index(6) + 1] == [q, q, 1, q, 2, q, 3, 4, q, q, 5, 6]  # then the end of the run writes step 6 again
+
+
+def test_tunix_does_not_wait_for_the_queued_steps_at_the_end_of_train():
+    """`train()` runs one optimizer step; Tunix's throttler waited there for every queued micro-step."""
+
+    @jax.jit
+    def slow(x, n):  # about a second's work on the CPU, dispatched asynchronously
+        return jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ y), x)
+
+    x = jnp.eye(512) * 0.5
+    slow(x, 1).block_until_ready()  # compiled
+    start = time.perf_counter()
+    slow(x, 10).block_until_ready()
+    n = int(10 * 1.0 / max(time.perf_counter() - start, 1e-3)) + 10
+    throttler = tunix_trainer._StepsInFlight(2)
+    first = slow(x, n)
+    throttler.add_computation(first)
+    throttler.wait_for_next()  # one queued, below the limit
+    throttler.wait_for_all()
+    assert not first.is_ready()
+    throttler.add_computation(slow(x, 1))
+    throttler.wait_for_next()  # two queued: waits for the first
+    assert first.is_ready()
 
 
 def test_sigterm_saves_before_an_eval_pass(tmp_path):

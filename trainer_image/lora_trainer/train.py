@@ -384,9 +384,13 @@ class _Run:
             # the timed interval, or the first line's tokens/s and ETA were off by that much.
             timer, timed_steps, untimed_tokens, compiled = IntervalTimer(time.perf_counter), 0, 0, False
             eval_seconds = 0.0  # the last eval pass's duration, for the ETA (unknown, 0, until one ran)
+            # A logged step's record waits for its loss, so it is emitted once the next step is queued:
+            # emitted at once, the chip idled while the host wrote it and fed the next step.
+            pending: Callable[[], float] | None = None
 
             while step < t.steps:
                 if self.stop.requested():
+                    loss = pending() if pending else loss
                     saves.finish(step)
                     raise self.stop.error(step, self.root)
                 micro_batches = [tunix_trainer.on_mesh(next(batches.stream), self.mesh) for _ in range(t.gradient_accumulation)]
@@ -398,24 +402,32 @@ class _Run:
                     with timer.paused():
                         untimed_tokens = self._first_step(trainer, micro_batches, step)
                     compiled = True
+                if pending:
+                    loss, pending = pending(), None
                 step += 1
+                eval_due = bool(batches.eval_batches) and evals_due(step - 1, t) > evals_due(step, t)
+                save_due = step % t.checkpoint_every == 0 and step < t.steps
                 if step % t.log_every == 0 or step == t.steps:
-                    loss = self._emit_interval(trainer, sink, step, timer, timed_steps, untimed_tokens, lr=lr, mfu=mfu,
-                                               last_checkpoint=saves.committed, eval_seconds=eval_seconds)
+                    pending = functools.partial(
+                        self._emit_interval, list(trainer.train_aux), sink, step, timer, timed_steps, untimed_tokens,
+                        lr=lr, mfu=mfu, saves=saves, eval_seconds=eval_seconds,
+                    )
+                    trainer.train_aux.clear()
                     timed_steps, untimed_tokens = 0, 0
+                    if eval_due or save_due or step == t.steps:  # their time is paused: the step must be done first
+                        loss, pending = pending(), None
                 with timer.paused():
                     # After a SIGTERM the checkpoint comes first: an eval pass could outlast the grace period.
-                    due = evals_due(step - 1, t) > evals_due(step, t)  # a pass runs at this step
-                    if batches.eval_batches and due and not self.stop.requested():
+                    if eval_due and not self.stop.requested():
                         eval_loss, eval_seconds = self._eval_pass(trainer, batches, sink, step, first=not eval_seconds)
-                    if step % t.checkpoint_every == 0 and step < t.steps:
+                    if save_due:
                         saves.start(step)
             saves.finish(step)
         return self._result(step, final_loss=loss, eval_loss=eval_loss)
 
     def _emit_interval(
         self,
-        trainer: tunix_trainer.LoraPeftTrainer,
+        aux: list[dict[str, jax.Array]],
         sink: ProgressSink,
         step: int,
         timer: IntervalTimer,
@@ -424,13 +436,13 @@ class _Run:
         *,
         lr: Callable[[int], Any],
         mfu: Callable[[float], float | None],
-        last_checkpoint: str | None,
+        saves: AsyncSaves,
         eval_seconds: float,
     ) -> float:
-        """Emit the progress record of the interval ending at `step` (throughput over its timed steps); its loss."""
+        """Emit the progress record of the interval ending at `step` (throughput over its timed steps,
+        whose micro-steps left `aux`); its loss. Waits for the step, so the interval ends when it did."""
         t = self.cfg.training
-        loss, _, tokens = tunix_trainer.weighted_loss(trainer.train_aux)
-        trainer.train_aux.clear()
+        loss, _, tokens = tunix_trainer.weighted_loss(aux)
         elapsed = timer.lap()
         tps = (tokens - untimed_tokens) / elapsed if timed_steps else None
         record = progress_record(
@@ -441,7 +453,7 @@ class _Run:
             tokens_per_second=tps,
             step_time_seconds=elapsed / timed_steps if timed_steps else None,
             mfu=None if tps is None else mfu(tps),
-            last_checkpoint=last_checkpoint,
+            last_checkpoint=saves.committed,
             pending_seconds=eval_seconds * evals_due(step, t),
         )
         sink.emit(record)

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import variablelib
 from jax.interpreters import pxla
-from tunix.sft import peft_trainer, sharding_utils
+from tunix.sft import inflight_throttler, peft_trainer, sharding_utils
 
 from lora_trainer import schedule
 from lora_trainer.config import TrainingSpec
@@ -39,6 +39,7 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
         self.train_aux: list[dict[str, jax.Array]] = []
         self.eval_aux: list[dict[str, jax.Array]] = []
         self.is_managed_externally = True  # the run (`train._Run`) owns the step count, checkpoints and stopping
+        self._throttler = _StepsInFlight(self.config.max_inflight_computations)
 
     def _post_process_train_step(self, aux: Any) -> None:
         self.train_aux.append(aux)
@@ -88,6 +89,20 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
 
     def _post_process_eval_step(self, aux: Any) -> None:
         self.eval_aux.append(aux)
+
+
+class _StepsInFlight(inflight_throttler.InflightThrottler):
+    """Tunix's throttler (at most `max_inflight_computations` micro-steps queued on the device),
+    without its wait for every one of them at the end of each `train()` call.
+
+    The run calls `train()` once per optimizer step, so that wait made every step synchronous: the
+    chip idled while the host logged the step, read the next batches and dispatched them (the
+    trainer reads a step's loss only when it has queued the next one, `train._Run._loop`). What
+    must wait for the device (the loss, a save's snapshot, eval) blocks on its own arrays.
+    """
+
+    def wait_for_all(self) -> None:
+        """Nothing: see the class."""
 
 
 class StateStep:
