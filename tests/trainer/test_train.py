@@ -19,7 +19,7 @@ from trainer_fixtures import arithmetic_rows, parse, tiny_llama, train_config, w
 from lora_trainer import checkpoint, data, schedule, tunix_trainer
 from lora_trainer.config import DatasetSpec, LoraSpec, TrainingSpec
 from lora_trainer.errors import Preempted, UserError
-from lora_trainer.lora import apply_lora, lora_state, set_lora_state
+from lora_trainer.lora import apply_lora, lora_state, lora_variables, read_lora, set_lora_state
 from lora_trainer.loss import lm_loss, model_inputs
 from lora_trainer.models import load_model
 from lora_trainer.progress import IntervalTimer, format_eta, progress_record
@@ -65,6 +65,26 @@ def test_only_lora_params_train_and_loss_falls(tmp_path, dtype):
     for path, params in lora_before.items():
         for name, before in params.items():
             assert not np.array_equal(before, np.asarray(lora_after[path][name])), f"LoRA param {path}/{name} did not train"
+
+
+def test_state_variables_found_after_the_first_step_read_the_later_steps(tmp_path):
+    """A save reads the state through variables found once (`AsyncSaves`): the steps must update
+    those variables, never replace them, or every later checkpoint would hold the first one's state."""
+    loaded = load_model(str(tiny_llama()), dtype="float32")
+    applied = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0, dropout=0.1), loaded.family, seed=0)
+    spec = DatasetSpec(train=write_jsonl(tmp_path / "t.jsonl", arithmetic_rows(16)), max_seq_len=32)
+    tok = data.load_tokenizer(tiny_llama())
+    stream = data.BatchStream(data.to_sequences(data.tokenize_file(spec.train, spec, tok), spec), global_batch=4, seq_len=32, seed=0, pad_id=tok.pad_token_id)
+    trainer = make_trainer(applied.model, TrainingSpec(steps=3, learning_rate=0.01, schedule="constant"))
+    trainer.train([next(stream)])
+    found = lora_variables(trainer.model), tunix_trainer.optimizer_variables(trainer)
+    first = jax.tree.map(np.array, (read_lora(found[0]), tunix_trainer.read_optimizer(found[1])))
+    trainer.train([next(stream)])
+    trainer.train([next(stream)])
+    later = jax.tree.map(np.array, (read_lora(found[0]), tunix_trainer.read_optimizer(found[1])))
+    jax.tree.map(np.testing.assert_array_equal, later, (lora_state(trainer.model), tunix_trainer.optimizer_state(trainer)))
+    changed = jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, b), first, later))
+    assert sum(changed) > len(changed) / 2  # LoRA, both AdamW moments, the step counts and the dropout RNG moved on
 
 
 def test_eval_runs_without_lora_dropout_and_training_with_it(tmp_path):

@@ -188,7 +188,8 @@ def _created_modules(
     return created
 
 
-def _lora_vars(model: nnx.Module) -> dict[str, dict[str, nnx.Variable]]:
+def lora_variables(model: nnx.Module) -> dict[str, dict[str, nnx.Variable]]:
+    """`model`'s LoRA variables as `lora_state` names them; finding them walks the whole model graph."""
     tree: dict[str, dict[str, nnx.Variable]] = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
         *module, name = map(str, path)
@@ -198,13 +199,18 @@ def _lora_vars(model: nnx.Module) -> dict[str, dict[str, nnx.Variable]]:
 
 def lora_state(model: nnx.Module) -> LoraTree:
     """The LoRA params as `{module_path: {"<weight>_lora_a": array, "<weight>_lora_b": array}}`."""
-    return {path: {name: var.get_value() for name, var in params.items()} for path, params in _lora_vars(model).items()}
+    return read_lora(lora_variables(model))
+
+
+def read_lora(variables: Mapping[str, Mapping[str, nnx.Variable]]) -> LoraTree:
+    """`lora_state` read through variables `lora_variables` found earlier (no walk of the model)."""
+    return {path: {name: var.get_value() for name, var in params.items()} for path, params in variables.items()}
 
 
 def set_lora_state(model: nnx.Module, tree: Mapping[str, Mapping[str, Any]]) -> None:
     """Replace every LoRA param of `model` with `tree`'s; any module, name or shape mismatch is a
     UserError listing every difference, and nothing is changed unless everything matches."""
-    current = _lora_vars(model)
+    current = lora_variables(model)
     problems: list[str] = []
     for path in sorted(set(current) - set(tree)):
         problems.append(f"{path}: missing from the restored adapter")

@@ -286,12 +286,20 @@ def weighted_loss(aux: list[dict[str, jax.Array]]) -> tuple[float, int, int]:
 
 def _flat(state: nnx.State) -> dict[str, jax.Array]:
     """A flat `{"a/b/0/c": array}` view of an NNX state: string keys only, so Orbax stores any optimizer."""
+    return _read_flat(_flat_variables(state))
+
+
+def _flat_variables(state: nnx.State) -> dict[str, nnx.Variable]:
+    return {"/".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
+
+
+def _read_flat(variables: dict[str, nnx.Variable]) -> dict[str, jax.Array]:
     out = {}
-    for path, var in nnx.to_flat_state(state):
+    for key, var in variables.items():
         value = var.get_value()
         if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
             value = jax.random.key_data(value)
-        out["/".join(map(str, path))] = value
+        out[key] = value
     return out
 
 
@@ -310,10 +318,17 @@ def _load_flat(module: nnx.Module, which: Any, flat: dict[str, Any]) -> None:
 
 def optimizer_state(trainer: LoraPeftTrainer) -> dict[str, Any]:
     """The `optimizer` item: optax state (with its step count) and the model's RNG state (dropout)."""
-    return {
-        "opt": _flat(nnx.state(trainer.optimizer)),
-        "rng": _flat(nnx.state(trainer.model, nnx.RngState)),
-    }
+    return read_optimizer(optimizer_variables(trainer))
+
+
+def optimizer_variables(trainer: LoraPeftTrainer) -> dict[str, dict[str, nnx.Variable]]:
+    """The variables of the `optimizer` item; finding them walks the whole model graph."""
+    return {"opt": _flat_variables(nnx.state(trainer.optimizer)), "rng": _flat_variables(nnx.state(trainer.model, nnx.RngState))}
+
+
+def read_optimizer(variables: dict[str, dict[str, nnx.Variable]]) -> dict[str, Any]:
+    """`optimizer_state` read through variables `optimizer_variables` found earlier."""
+    return {item: _read_flat(found) for item, found in variables.items()}
 
 
 def restore_optimizer_state(trainer: LoraPeftTrainer, saved: dict[str, Any]) -> None:
