@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, set[str]]] = [
                        "lora_trainer.quantized_product", "lora_trainer.token_cache"}),
     ("trainer config", {"lora_trainer.config", "lora_trainer.storage", "lora_trainer.storage_faults", "lora_trainer.progress_record",
                         "lora_trainer.trainer_logging"}),
-    ("leaves", {"lora_trainer.errors", "lora_trainer.exit_codes", "lora_trainer.rules", "lora_trainer"}),
+    ("leaves", {"lora_trainer.errors", "lora_trainer.exit_codes", "lora_trainer.rules", "lora_trainer.background", "lora_trainer"}),
 ]
 #: Operator modules that may import the trainer above its config layer (lazily: see LAYERS).
 TRAINER_BRIDGES = {"lora_operator.cli", "lora_operator.local"}

@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from lora_trainer import backend_start
+from lora_trainer.background import in_background
 from lora_trainer.errors import UserError
 
 
@@ -47,3 +48,21 @@ def test_a_bad_pod_environment_is_raised_in_the_thread_that_waits(fresh: list[st
 def test_ready_without_start_does_the_work_in_place(fresh: list[str]) -> None:
     backend_start.ready()
     assert fresh == [threading.current_thread().name]
+
+
+def test_background_work_hands_back_its_result_or_its_error_from_a_daemon_thread() -> None:
+    """Daemon: a process that stops early must not wait at its exit for a compile no one needs."""
+    seen: list[threading.Thread] = []
+
+    def work() -> int:
+        seen.append(threading.current_thread())
+        return 7
+
+    assert in_background(work, "probe").result(timeout=30) == 7
+    assert seen[0].name == "probe" and seen[0].daemon and seen[0] is not threading.current_thread()
+
+    def fail() -> None:
+        raise UserError("the pod's environment names no coordinator")
+
+    with pytest.raises(UserError, match="names no coordinator"):
+        in_background(fail, "probe").result(timeout=30)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
+import threading
 import time
 import warnings
 
@@ -14,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.interpreters import pxla
 from trainer_fixtures import arithmetic_rows, parse, tiny_llama, train_config, write_jsonl
 
 from lora_trainer import checkpoint, data, schedule, tunix_trainer
@@ -277,6 +280,32 @@ def test_the_next_step_is_queued_before_a_steps_record_waits_for_its_loss(tmp_pa
     run_training(parse(train_config(tmp_path, str(tmp_path / "out"), steps=6, checkpointEvery=4)), on_progress=lambda r: events.append(r["step"]))
     q = "step queued"
     assert events[: events.index(6) + 1] == [q, q, 1, q, 2, q, 3, 4, q, q, 5, 6]  # then the end of the run writes step 6 again
+
+
+def test_the_train_step_is_traced_once_ahead_on_a_thread_in_the_runs_mesh(tmp_path, monkeypatch):
+    """`compile_ahead` traces and compiles the step while a restart restores its checkpoint. A
+    second trace would mean the first step missed what was compiled ahead, and paid for it again;
+    a trace outside the run's mesh, a program other than the run's (the splash kernel and Tunix's
+    models read the mesh of the thread that traces)."""
+    traces: list[tuple[str, bool]] = []
+    create = tunix_trainer.LoraPeftTrainer.create_train_step_fn
+
+    def spy(self):
+        step = create(self)
+
+        @functools.wraps(step)
+        def traced(*args, **kwargs):
+            traces.append((threading.current_thread().name, pxla.thread_resources.env.physical_mesh.empty))
+            return step(*args, **kwargs)
+
+        return traced
+
+    monkeypatch.setattr(tunix_trainer.LoraPeftTrainer, "create_train_step_fn", spy)
+    out = str(tmp_path / "out")
+    run_training(parse(train_config(tmp_path, out, steps=2, checkpointEvery=2)))
+    resumed = run_training(parse(train_config(tmp_path, out, steps=4, checkpointEvery=2)))  # from step 2's checkpoint
+    assert resumed.final_step == 4
+    assert traces == [("compile-ahead", False), ("compile-ahead", False)]  # one per process
 
 
 def test_tunix_does_not_wait_for_the_queued_steps_at_the_end_of_train():

@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import Future
 
 from lora_trainer import host_memory, trainer_logging
+from lora_trainer.background import in_background
 
 _lock = threading.Lock()
 _pending: Future[None] | None = None
@@ -35,15 +36,6 @@ def _start_runtime() -> None:
     jax.devices()
 
 
-def _run(future: Future[None]) -> None:
-    try:
-        _start_runtime()
-    except BaseException as e:  # noqa: BLE001  (handed to the thread that waits in ready())
-        future.set_exception(e)
-    else:
-        future.set_result(None)
-
-
 def start() -> None:
     """Tune malloc here, then join the run and start the backend on a daemon thread. Once per process."""
     global _pending
@@ -52,8 +44,7 @@ def start() -> None:
             return
         host_memory.retain_freed_memory()  # before any JAX thread exists (see host_memory)
         trainer_logging.configure()  # joining a multi-host run, on the thread, logs
-        _pending = Future()
-        threading.Thread(target=_run, args=(_pending,), name="backend-start", daemon=True).start()
+        _pending = in_background(_start_runtime, "backend-start")
 
 
 def ready() -> None:

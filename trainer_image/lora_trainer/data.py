@@ -583,6 +583,14 @@ class BatchStream:
             self._norm_step, self._norm = step, max(total, 1) / self._accumulation
         return self._norm
 
+    def peek(self) -> dict[str, np.ndarray]:
+        """The next batch, left in the stream: its shapes compile the train step ahead of the first."""
+        position = self._batches
+        try:
+            return next(self)
+        finally:
+            self._batches = position
+
     def __next__(self) -> dict[str, np.ndarray]:
         start = self._batches * self._global_batch
         norm = self._loss_norm()

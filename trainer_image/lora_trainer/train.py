@@ -241,6 +241,7 @@ class _Run:
             _check_restored(cfg, restored[1])
         model = self._adapter(loaded, restored)
         trainer = tunix_trainer.make_trainer(model, t, splash=self.kernel == "splash")
+        trainer.compile_ahead(tunix_trainer.on_mesh(batches.stream.peek(), self.mesh))  # while the checkpoint restores
         store = checkpoint.TrainingCheckpoints(self.root, keep=t.checkpoints_to_keep)
         step = 0 if resume_step is None else self._resume(store, trainer, batches.stream, resume_step)
         sink = ProgressSink(cfg.output.uri, primary=self.primary, resume_step=step, on_progress=self.on_progress)
