@@ -77,8 +77,8 @@ class AsyncSaves:
         # `store.save`'s arguments not yet handed off, with what taking them cost the loop (flushing metrics, copying on the device)
         self._snapshot: tuple[dict[str, Any], tuple[float, float]] | None = None
         # The state's variables, found at the first save, after the first step placed the optimizer
-        # (`LoraPeftTrainer._shard_optimizer`): finding them walks the whole model graph, 80 of the
-        # 120 ms a 16-layer model's snapshot took on CPU, and training waits for the snapshot.
+        # (`LoraPeftTrainer._shard_optimizer`). Finding them walks the whole model graph, and training
+        # waits for the snapshot: on CPU a 16-layer model's state read in 39 ms so, 4 ms through them.
         self._variables: tuple[Any, Any] | None = None
 
     def start(self, step: int) -> None:
