@@ -32,14 +32,18 @@ class _Records(logging.Handler):
 
 @contextlib.contextmanager
 def _compiles() -> Iterator[list[str]]:
-    """The names in JAX's "Compiling <fn> ..." log lines while the block runs (jax_log_compiles)."""
+    """The names in JAX's "Compiling <fn> ..." log lines while the block runs (jax_log_compiles),
+    on every thread: the run compiles its train step on its own (`compile_ahead`), and the
+    `jax.log_compiles` context would set the flag for this thread only."""
     handler, logger = _Records(), logging.getLogger("jax")
     logger.addHandler(handler)
     names: list[str] = []
+    before = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
     try:
-        with jax.log_compiles(True):
-            yield names
+        yield names
     finally:
+        jax.config.update("jax_log_compiles", before)
         logger.removeHandler(handler)
         names.extend(m.split()[1] for m in handler.messages if m.startswith("Compiling "))
 
