@@ -60,8 +60,7 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
         The thread enters the caller's legacy mesh and context variables, which tracing reads.
         """
         self.jit_train_and_eval_step()  # on this thread: the optimizer is placed before anything restores into it
-        inputs = sharding_utils.shard_input(self._prepare_inputs(micro_batch), self.config.data_sharding_axis)
-        abstract = jax.tree.map(_abstract, self.train_step.arguments(inputs))
+        abstract = jax.tree.map(_abstract, self.train_step.arguments(self.step_inputs(micro_batch)))
         mesh, context = pxla.thread_resources.env.physical_mesh, contextvars.copy_context()
 
         def compile_step() -> None:
@@ -69,6 +68,10 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
                 context.run(lambda: self.train_step.jitted_fn.lower(*abstract).compile())
 
         self._ahead = in_background(compile_step, "compile-ahead")
+
+    def step_inputs(self, micro_batch: dict[str, jax.Array]) -> Any:
+        """A micro-batch as Tunix's `train` hands it to the train step."""
+        return sharding_utils.shard_input(self._prepare_inputs(micro_batch), self.config.data_sharding_axis)
 
     def train(self, *args: Any, **kwargs: Any) -> None:
         """Tunix's `train`, once the step `compile_ahead` began is compiled (its error raised here)."""
@@ -186,13 +189,14 @@ class StateStep:
         self.jitted_fn = jax.jit(step, donate_argnums=1)
         self._releases = _Releases()
 
-    def _arguments(self, inputs: Any) -> tuple[list[Any], list[Any], Any]:
+    def arguments(self, inputs: Any) -> tuple[list[Any], list[Any], Any]:
+        """What a call for `inputs` passes the jitted step: the frozen and carried arrays, and `inputs`."""
         if self._raw:
             return [v.get_raw_value() for v in self._frozen], [v.get_raw_value() for v in self._carried], inputs
         return [v.get_value() for v in self._frozen], [v.get_value() for v in self._carried], inputs
 
     def __call__(self, inputs: Any) -> Any:
-        frozen, donated, inputs = self._arguments(inputs)
+        frozen, donated, inputs = self.arguments(inputs)
         carried, outputs = self.jitted_fn(frozen, donated, inputs)
         for variable, value in zip(self._carried, carried, strict=True):
             if self._raw:
@@ -202,13 +206,9 @@ class StateStep:
         self._releases.put(donated)  # now the list's references are the last ones
         return outputs
 
-    def arguments(self, inputs: Any) -> tuple[list[Any], list[Any], Any]:
-        """What a call for `inputs` passes the jitted step: the frozen and carried arrays, and `inputs`."""
-        return self._arguments(inputs)
-
     def lower(self, inputs: Any) -> Any:
         """The step lowered for `inputs` (JAX's cached trace when it has run): for its compiled memory."""
-        return self.jitted_fn.lower(*self._arguments(inputs))
+        return self.jitted_fn.lower(*self.arguments(inputs))
 
 
 class _Releases:
@@ -306,8 +306,7 @@ def compiled_memory(trainer: LoraPeftTrainer, micro_batch: dict[str, jax.Array])
     and temporaries (device memory statistics miss the temporaries between steps). None where the
     backend reports nothing (CPU). The step is already compiled: this reads JAX's cached program.
     """
-    inputs = sharding_utils.shard_input(trainer._prepare_inputs(micro_batch), trainer.config.data_sharding_axis)
-    stats = trainer.train_step.lower(inputs).compile().memory_analysis()
+    stats = trainer.train_step.lower(trainer.step_inputs(micro_batch)).compile().memory_analysis()
     if stats is None or not stats.temp_size_in_bytes:
         return None
     gib = 2.0**30
@@ -328,16 +327,13 @@ def weighted_loss(aux: list[dict[str, jax.Array]]) -> tuple[float, int, int]:
 # --------------------------------------------------------------------------- state <-> checkpoint
 
 
-def _flat(state: nnx.State) -> dict[str, jax.Array]:
-    """A flat `{"a/b/0/c": array}` view of an NNX state: string keys only, so Orbax stores any optimizer."""
-    return _read_flat(_flat_variables(state))
-
-
 def _flat_variables(state: nnx.State) -> dict[str, nnx.Variable]:
+    """An NNX state's variables as `{"a/b/0/c": variable}`: string keys only, so Orbax stores any optimizer."""
     return {"/".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
 
 
 def _read_flat(variables: dict[str, nnx.Variable]) -> dict[str, jax.Array]:
+    """The values of `_flat_variables`, PRNG keys as their raw data."""
     out = {}
     for key, var in variables.items():
         value = var.get_value()
@@ -348,7 +344,7 @@ def _read_flat(variables: dict[str, nnx.Variable]) -> dict[str, jax.Array]:
 
 
 def _load_flat(module: nnx.Module, which: Any, flat: dict[str, Any]) -> None:
-    """Write a `_flat` dict back into `module`'s variables selected by `which` (same paths required)."""
+    """Write a `_read_flat` dict back into `module`'s variables selected by `which` (same paths required)."""
     state = nnx.state(module, which)
     for path, var in nnx.to_flat_state(state):
         key = "/".join(map(str, path))
