@@ -104,8 +104,8 @@ def apply_lora(
     """A copy of `model` with LoRA (and QLoRA quantization) on the modules `lora_spec.target_modules` selects.
 
     Runs one dummy forward of `batch_shape` tokens so Qwix creates every `nnx.LoRAParam`
-    (A: he-uniform from `seed`, B: zeros, so the model's output is unchanged); for LoRA
-    without quantization that forward is one compiled program (`_create_lora_params`).
+    (A: he-uniform from `seed`, B: zeros, so the model's output is unchanged); on a CPU, for
+    LoRA without quantization, that forward is one compiled program (`_create_lora_params`).
     """
     regex = resolve_target_regex(lora_spec.target_modules, family)
     available, matched = _matched_modules(model, family, regex)
@@ -114,11 +114,9 @@ def apply_lora(
     # numpy inputs: a compiled forward takes them as replicated, also in a multi-host run.
     positions, mask = jax.tree.map(np.asarray, positions_and_mask(tokens, None))
     rngs = nnx.Rngs(params=seed, dropout=seed)
-    quantized = lora_spec.quantization is not None
-    lora_model = qwix.apply_lora_to_model(
-        model, provider, tokens, positions, None, mask, rngs=rngs, skip_nnx_init=not quantized
-    )
-    if not quantized:
+    compiled = lora_spec.quantization is None and jax.default_backend() == "cpu"
+    lora_model = qwix.apply_lora_to_model(model, provider, tokens, positions, None, mask, rngs=rngs, skip_nnx_init=compiled)
+    if compiled:
         _create_lora_params(lora_model, (tokens, positions, None, mask), rngs)
     if lora_spec.dropout > 0:
         # Qwix draws dropout keys from `module.qwix_rngs`, which it clears after the dummy forward;
@@ -135,11 +133,14 @@ def _create_lora_params(model: nnx.Module, inputs: tuple[Any, ...], rngs: nnx.Rn
     """Qwix's first forward, which creates every LoRA param, run as one compiled program.
 
     Qwix runs it eagerly, op by op: some 180 small programs on a 1B model, each traced, then
-    compiled or read from the compilation cache; 4.0 s of a warm restart on a v5e chip (issue 21).
-    Compiled whole, what runs is the initializers: the forward's activations are dead code, and the
-    base weights are inputs the program does not return, so they are neither copied nor replaced.
-    The values are Qwix's own, bit for bit (`tests/trainer/test_lora.py`). QLoRA keeps Qwix's
-    eager forward, which replaces the base weights with their quantized form.
+    compiled or read from the compilation cache. Compiled whole, what runs is the initializers:
+    the forward's activations are dead code, and the base weights are inputs the program does not
+    return, so they are neither copied nor replaced. The values are Qwix's own, bit for bit
+    (`tests/trainer/test_lora.py`). On a CPU that is faster cold (a 4-layer tiny model: 6.6 s
+    eagerly, 1.9 s compiled). On a v5e chip it was slower: XLA took 25 s to compile the 1B model's
+    224 initializers as one program, where Qwix's eager forward took 16.8 s cold and 3.9 s warm
+    (docs/benchmarks.md), so an accelerator keeps the eager forward. So does QLoRA, whose forward
+    replaces the base weights with their quantized form.
 
     The attributes set around the call are those `qwix.quantize_nnx_model` sets around its own.
     """
