@@ -88,12 +88,16 @@ class IntervalTimer:
 
     Without that, the interval after an eval or a save reported its duration as step time
     (tokens/s and MFU fell by orders of magnitude for one line and the ETA jumped).
+
+    An interval can end at a time already past (`lap(at=...)`): the moment a step finished,
+    seen after the next step was queued. A pause that ran on past that moment counts towards
+    the next interval's pauses, not this one's.
     """
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._start = clock()
-        self._paused = 0.0
+        self._pauses: list[tuple[float, float]] = []
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -102,13 +106,15 @@ class IntervalTimer:
         try:
             yield
         finally:
-            self._paused += self._clock() - start
+            self._pauses.append((start, self._clock()))
 
-    def lap(self) -> float:
-        """Seconds of training since the last lap (or the start); starts the next interval."""
-        now = self._clock()
-        elapsed = now - self._start - self._paused
-        self._start, self._paused = now, 0.0
+    def lap(self, at: float | None = None) -> float:
+        """Seconds of training from the last lap (or the start) to `at` (default: now); starts the next interval there."""
+        end = self._clock() if at is None else at
+        paused = sum(max(0.0, min(stop, end) - max(start, self._start)) for start, stop in self._pauses)
+        elapsed = end - self._start - paused
+        self._start = end
+        self._pauses = [(max(start, end), stop) for start, stop in self._pauses if stop > end]
         return elapsed
 
 

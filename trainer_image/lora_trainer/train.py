@@ -28,6 +28,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from flax import nnx
 from lora_trainer import backend_start, checkpoint, compile_cache, data, distributed, schedule, storage, trainer_logging, tunix_trainer
 from lora_trainer import metrics as mfu_metrics
 from lora_trainer.async_saves import AsyncSaves
+from lora_trainer.background import in_background
 from lora_trainer.config import TrainConfig, TrainingSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora, lora_state, resolve_target_regex, set_lora_state
@@ -187,6 +189,12 @@ def run_training(cfg: TrainConfig, *, on_progress: ProgressCallback | None = Non
         warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*mesh.*")
         with mesh:
             return _Run(cfg, mesh, stop, on_progress).run()
+
+
+def _finished_at(arrays: Any) -> float:
+    """When `arrays` are computed (`time.perf_counter`), waited for on a thread while the loop queues the next step."""
+    jax.block_until_ready(arrays)
+    return time.perf_counter()
 
 
 @contextlib.contextmanager
@@ -412,6 +420,7 @@ class _Run:
                     pending = functools.partial(
                         self._emit_interval, list(trainer.train_aux), sink, step, timer, timed_steps, untimed_tokens,
                         lr=lr, mfu=mfu, saves=saves, eval_seconds=eval_seconds,
+                        done=in_background(functools.partial(_finished_at, trainer.train_aux[-1]), "step-done"),
                     )
                     trainer.train_aux.clear()
                     timed_steps, untimed_tokens = 0, 0
@@ -439,12 +448,17 @@ class _Run:
         mfu: Callable[[float], float | None],
         saves: AsyncSaves,
         eval_seconds: float,
+        done: Future[float],
     ) -> float:
         """Emit the progress record of the interval ending at `step` (throughput over its timed steps,
-        whose micro-steps left `aux`); its loss. Waits for the step, so the interval ends when it did."""
+        whose micro-steps left `aux`); its loss. The interval ends when the step did (`done`).
+
+        Most records are emitted once the next step is queued, which can return halfway into that
+        step; a save's, an eval's and the last are emitted at once. Lapped at emission, the
+        intervals around each save read 0.48 s and 1.57 s for 0.98 s steps on a v5e chip."""
         t = self.cfg.training
         loss, _, tokens = tunix_trainer.weighted_loss(aux)
-        elapsed = timer.lap()
+        elapsed = timer.lap(at=done.result())
         tps = (tokens - untimed_tokens) / elapsed if timed_steps else None
         record = progress_record(
             step=step,
