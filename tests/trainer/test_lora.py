@@ -234,8 +234,8 @@ def test_lora_dropout_model_runs_after_apply(loaded: dict[str, LoadedModel]) -> 
 def test_lora_params_are_made_in_one_program_with_qwix_eager_values(
     loaded: dict[str, LoadedModel], family: str, dropout: float
 ) -> None:
-    """apply_lora compiles Qwix's first forward whole: the LoRA params are those of Qwix's own
-    op-by-op forward, bit for bit, the base arrays are the very ones given, and one program runs."""
+    """On a CPU apply_lora compiles Qwix's first forward whole: the LoRA params are those of Qwix's
+    own op-by-op forward, bit for bit, the base arrays are the very ones given, and one program runs."""
     base = loaded[family]
     spec = LoraSpec(rank=RANK, alpha=ALPHA, dropout=dropout)
     tokens = np.ones((1, 8), np.int32)
@@ -253,4 +253,3 @@ def test_lora_params_are_made_in_one_program_with_qwix_eager_values(
     given = nnx.to_flat_state(nnx.state(base.model, nnx.Param))
     kept = dict(nnx.to_flat_state(nnx.state(applied, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
     assert len(kept) == len(given) and all(kept[path].get_value() is var.get_value() for path, var in given)
-

@@ -424,7 +424,7 @@ _MESH_SCRIPT = textwrap.dedent(
     lora = apply_lora(sharded, LoraSpec(rank=4, alpha=8), get_family("llama3"), seed=0).model
     a_q = lora.layers[0].attn.q_proj.w_lora_a.get_value()
     assert a_q.sharding.spec[0] == "fsdp" and len(a_q.addressable_shards) == 2, a_q.sharding
-    # apply_lora makes the params in one compiled program: each lands where Qwix's eager forward puts it
+    # on a CPU apply_lora makes the params in one compiled program: each lands where Qwix's eager forward puts it
     import qwix
     from flax import nnx
     from lora_trainer import lora as lora_module

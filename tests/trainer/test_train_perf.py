@@ -4,7 +4,6 @@ no copy of the frozen base weights per train or eval step."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from collections.abc import Iterator
 
