@@ -9,16 +9,12 @@ the A/B shapes and the PEFT flatten order for each family.
 from __future__ import annotations
 
 import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import qwix
 from flax import nnx
-from trainer_fixtures import compiles
 
-from lora_trainer import lora
 from lora_trainer.config import LoraSpec, QuantizationSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
@@ -227,29 +223,3 @@ def test_lora_dropout_model_runs_after_apply(loaded: dict[str, LoadedModel]) -> 
     tokens = _tokens()
     first, second = (np.asarray(forward_logits(model, tokens)) for _ in range(2))
     assert np.isfinite(first).all() and np.abs(first - second).max() > 0  # a fresh dropout mask per call
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dropout", [0.0, 0.5])
-def test_lora_params_are_made_in_one_program_with_qwix_eager_values(
-    loaded: dict[str, LoadedModel], family: str, dropout: float
-) -> None:
-    """On a CPU apply_lora compiles Qwix's first forward whole: the LoRA params are those of Qwix's
-    own op-by-op forward, bit for bit, the base arrays are the very ones given, and one program runs."""
-    base = loaded[family]
-    spec = LoraSpec(rank=RANK, alpha=ALPHA, dropout=dropout)
-    tokens = np.ones((1, 8), np.int32)
-    positions, mask = positions_and_mask(tokens, None)
-    provider = lora._provider(spec, base.family, base.family.auto_target_regex, lora.targetable_modules(base.model, base.family))
-    eager = qwix.apply_lora_to_model(base.model, provider, tokens, positions, None, mask, rngs=nnx.Rngs(params=0, dropout=0))
-    with compiles() as compiled:
-        applied = apply_lora(base.model, spec, base.family, seed=0).model
-    assert compiled == ["jit(forward)"]
-    expected, got = lora_state(eager), lora_state(applied)
-    assert sorted(got) == sorted(expected)
-    for path, params in expected.items():
-        for name, value in params.items():
-            np.testing.assert_array_equal(np.asarray(got[path][name]), np.asarray(value), err_msg=f"{path}/{name}")
-    given = nnx.to_flat_state(nnx.state(base.model, nnx.Param))
-    kept = dict(nnx.to_flat_state(nnx.state(applied, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
-    assert len(kept) == len(given) and all(kept[path].get_value() is var.get_value() for path, var in given)

@@ -4,13 +4,14 @@ no copy of the frozen base weights per train or eval step."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Iterator
 
 import jax
 import numpy as np
 import pytest
-from trainer_fixtures import compiles, parse, tiny_llama, train_config
+from trainer_fixtures import parse, tiny_llama, train_config
 
 from lora_trainer import checkpoint, distributed
 from lora_trainer.config import LoraSpec, MeshSpec, TrainingSpec
@@ -18,6 +19,33 @@ from lora_trainer.lora import apply_lora
 from lora_trainer.models import load_model
 from lora_trainer.train import run_training
 from lora_trainer.tunix_trainer import make_trainer
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _compiles() -> Iterator[list[str]]:
+    """The names in JAX's "Compiling <fn> ..." log lines while the block runs (jax_log_compiles),
+    on every thread: the run compiles its train step on its own (`compile_ahead`), and the
+    `jax.log_compiles` context would set the flag for this thread only."""
+    handler, logger = _Records(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    names: list[str] = []
+    before = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield names
+    finally:
+        jax.config.update("jax_log_compiles", before)
+        logger.removeHandler(handler)
+        names.extend(m.split()[1] for m in handler.messages if m.startswith("Compiling "))
 
 
 @contextlib.contextmanager
@@ -43,7 +71,7 @@ def test_train_step_compiles_once_on_a_mesh():
     applied = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0)
     with _legacy_mesh_context(mesh):
         trainer = make_trainer(applied.model, TrainingSpec(steps=10, learning_rate=0.01, schedule="cosine", warmup_steps=1))
-        with compiles() as names:
+        with _compiles() as names:
             for _ in range(4):
                 trainer.train([_batch()])
             jax.block_until_ready(trainer.train_aux)
@@ -82,10 +110,10 @@ def test_train_and_eval_steps_write_no_copy_of_the_base_weights():
 @pytest.mark.slow
 def test_run_and_resumed_run_each_compile_the_train_step_once(tmp_path):
     out = tmp_path / "out"
-    with compiles() as first:
+    with _compiles() as first:
         run_training(parse(train_config(tmp_path, str(out), steps=3, checkpointEvery=3)))
     assert checkpoint.committed_steps(checkpoint.checkpoint_root(str(out))) == [3]
-    with compiles() as resumed:
+    with _compiles() as resumed:
         result = run_training(parse(train_config(tmp_path, str(out), steps=5, checkpointEvery=3)))
     assert result.final_step == 5
     assert first.count("jit(_train_step)") == 1, first

@@ -1,14 +1,12 @@
 """Shared by the trainer tests: one tiny Llama-3 checkpoint per test process, a learnable toy
 dataset, and train configs; a runner for the real `lora-trainer` CLI as a subprocess; and a
-reader of the dots in a compiled HLO module; the names of the programs JAX compiles."""
+reader of the dots in a compiled HLO module."""
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import json
-import logging
 import os
 import random
 import re
@@ -17,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,30 +165,3 @@ def random_inputs(length: int = 32) -> dict[str, jax.Array]:
 def loss_and_lora_grads(model: nnx.Module, inputs: dict[str, jax.Array]) -> tuple[jax.Array, nnx.State]:
     """Loss and LoRA gradients, as Tunix's train step forms them (nnx.jit over nnx.value_and_grad)."""
     return nnx.value_and_grad(lambda m: lm_loss(m, **inputs)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def compiles() -> Iterator[list[str]]:
-    """The names in JAX's "Compiling <fn> ..." log lines while the block runs (jax_log_compiles),
-    on every thread: the run compiles its train step on its own (`compile_ahead`), and the
-    `jax.log_compiles` context would set the flag for this thread only."""
-    handler, logger = _Records(), logging.getLogger("jax")
-    logger.addHandler(handler)
-    names: list[str] = []
-    before = jax.config.jax_log_compiles
-    jax.config.update("jax_log_compiles", True)
-    try:
-        yield names
-    finally:
-        jax.config.update("jax_log_compiles", before)
-        logger.removeHandler(handler)
-        names.extend(m.split()[1] for m in handler.messages if m.startswith("Compiling "))

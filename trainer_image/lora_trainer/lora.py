@@ -23,11 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import qwix
 from flax import nnx
-from qwix._src.utils import flax_util
 
 from lora_trainer.config import LoraSpec
 from lora_trainer.errors import UserError
-from lora_trainer.lora_provider import LoraProvider, recording_placements
+from lora_trainer.lora_provider import LoraProvider
 from lora_trainer.models.forward import positions_and_mask
 from lora_trainer.models.spec import FamilySpec
 
@@ -104,20 +103,16 @@ def apply_lora(
     """A copy of `model` with LoRA (and QLoRA quantization) on the modules `lora_spec.target_modules` selects.
 
     Runs one dummy forward of `batch_shape` tokens so Qwix creates every `nnx.LoRAParam`
-    (A: he-uniform from `seed`, B: zeros, so the model's output is unchanged); on a CPU, for
-    LoRA without quantization, that forward is one compiled program (`_create_lora_params`).
+    (A: he-uniform from `seed`, B: zeros, so the model's output is unchanged).
     """
     regex = resolve_target_regex(lora_spec.target_modules, family)
     available, matched = _matched_modules(model, family, regex)
     provider = _provider(lora_spec, family, regex, matched)
-    tokens = np.ones(batch_shape, dtype=np.int32)
-    # numpy inputs: a compiled forward takes them as replicated, also in a multi-host run.
-    positions, mask = jax.tree.map(np.asarray, positions_and_mask(tokens, None))
-    rngs = nnx.Rngs(params=seed, dropout=seed)
-    compiled = lora_spec.quantization is None and jax.default_backend() == "cpu"
-    lora_model = qwix.apply_lora_to_model(model, provider, tokens, positions, None, mask, rngs=rngs, skip_nnx_init=compiled)
-    if compiled:
-        _create_lora_params(lora_model, (tokens, positions, None, mask), rngs)
+    tokens = jnp.ones(batch_shape, dtype=jnp.int32)
+    positions, mask = positions_and_mask(tokens, None)
+    lora_model = qwix.apply_lora_to_model(
+        model, provider, tokens, positions, None, mask, rngs=nnx.Rngs(params=seed, dropout=seed)
+    )
     if lora_spec.dropout > 0:
         # Qwix draws dropout keys from `module.qwix_rngs`, which it clears after the dummy forward;
         # without this every later call fails. Evaluation traces without dropout (`no_lora_dropout`).
@@ -127,57 +122,6 @@ def apply_lora(
     # query projection is q_einsum) shows what it left out.
     log.info("LoRA on %d modules (lora.targetModules %r): %s", len(created), regex, _summarise(created))
     return LoraApplied(model=lora_model, target_regex=regex, module_paths=created)
-
-
-def _create_lora_params(model: nnx.Module, inputs: tuple[Any, ...], rngs: nnx.Rngs) -> None:
-    """Qwix's first forward, which creates every LoRA param, run as one compiled program.
-
-    Qwix runs it eagerly, op by op: some 180 small programs on a 1B model, each traced, then
-    compiled or read from the compilation cache. Compiled whole, what runs is the initializers:
-    the forward's activations are dead code, and the base weights are inputs the program does not
-    return, so they are neither copied nor replaced. The values are Qwix's own, bit for bit
-    (`tests/trainer/test_lora.py`). On a CPU that is faster cold (a 4-layer tiny model: 6.6 s
-    eagerly, 1.9 s compiled). On a v5e chip it was slower: XLA took 25 s to compile the 1B model's
-    224 initializers as one program, where Qwix's eager forward took 16.8 s cold and 3.9 s warm
-    (docs/benchmarks.md), so an accelerator keeps the eager forward. So does QLoRA, whose forward
-    replaces the base weights with their quantized form.
-
-    The attributes set around the call are those `qwix.quantize_nnx_model` sets around its own.
-    """
-    model.set_attributes(qwix_rngs=rngs, disable_quant_stats_update=True)
-    graphdef, state = nnx.split(model)
-
-    def forward(state: nnx.State) -> nnx.State:
-        traced = nnx.merge(graphdef, state)
-        traced(*inputs)
-        return nnx.state(traced, nnx.LoRAParam)
-
-    with recording_placements() as placements:
-        created = jax.jit(forward)(state)
-    nnx.update(model, created)
-    model.set_attributes(qwix_rngs=None, disable_quant_stats_update=False)
-    _place_as_qwix_does(model, placements)
-
-
-def _place_as_qwix_does(model: nnx.Module, placements: Mapping[tuple[tuple[Any, ...], str], tuple[Any, Any]]) -> None:
-    """Put each new LoRA pair where Qwix's eager forward puts it: its weight's mesh, with the
-    weight's axes moved as the pair's transposes say (A of a `P('fsdp', None)` weight on
-    `P('fsdp', None)`); pairs of weights not laid out on a mesh stay where they are."""
-    modules = dict(nnx.iter_modules(model))
-    variables, shardings = [], []
-    for (path, name), transposes in placements.items():
-        module = modules[path]
-        weight = getattr(module, name).get_value()
-        sharding = getattr(weight, "sharding", None)
-        if not isinstance(sharding, jax.sharding.NamedSharding):
-            continue
-        spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
-        for suffix, transpose in zip(("_lora_a", "_lora_b"), transposes, strict=True):
-            variables.append(getattr(module, name + suffix))
-            shardings.append(sharding.update(spec=flax_util.update_sharding(spec, transpose=transpose)))
-    placed = jax.device_put([v.get_value() for v in variables], shardings)
-    for var, value in zip(variables, placed, strict=True):
-        var.set_value(value)
 
 
 def _matched_modules(model: nnx.Module, family: FamilySpec, regex: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -160,35 +160,10 @@ def _dropout(lhs: jax.Array, rate: float) -> jax.Array:
     return nnx.Dropout(rate, deterministic=False)(lhs, rngs=flax_util.make_rng("dropout"))
 
 
-#: The LoRA pairs created while `recording_placements` is on: (module path, weight name) -> the axis
-#: transposes Qwix derives the pair's shardings from.
-_PLACEMENTS: contextvars.ContextVar[dict[tuple[tuple[Any, ...], str], tuple[Any, Any]] | None] = contextvars.ContextVar(
-    "lora_placements", default=None
-)
-
-
-@contextlib.contextmanager
-def recording_placements() -> Iterator[dict[tuple[tuple[Any, ...], str], tuple[Any, Any]]]:
-    """Record how each LoRA pair created in the block is to be placed (see `_PLACEMENTS`).
-
-    Qwix places a new pair after its weight's concrete sharding. In a traced forward the weight is
-    a tracer and has none, so the pair comes out unplaced; `lora.apply_lora` places it afterwards.
-    """
-    placements: dict[tuple[tuple[Any, ...], str], tuple[Any, Any]] = {}
-    token = _PLACEMENTS.set(placements)
-    try:
-        yield placements
-    finally:
-        _PLACEMENTS.reset(token)
-
-
 def _lora_params(
     rule: qwix.LoraRule, weight_name: str, a_shape: Any, a_transpose: Any, b_shape: Any, b_transpose: Any
 ) -> tuple[jax.Array, jax.Array]:
     """The module's LoRA A and B for `weight_name` (Qwix creates them on the first call)."""
-    placements = _PLACEMENTS.get()
-    if placements is not None:
-        placements[(flax_util.get_current_module().qwix_path, weight_name)] = (a_transpose, b_transpose)
     return qwix_lora._get_or_create_lora_params(
         name=weight_name,
         rule=rule,
