@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.interpreters import partial_eval
 
 from lora_trainer.config import LoraSpec, QuantizationSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
+from lora_trainer.lora_provider import no_lora_dropout
 from lora_trainer.models import FAMILIES, LoadedModel, forward_logits, load_model
 from lora_trainer.models.forward import positions_and_mask
 from lora_trainer.tiny_models import make_tiny_hf_model
@@ -104,6 +106,46 @@ def test_lora_equals_merged_hf_weights(loaded: dict[str, LoadedModel], family: s
         back = target.from_peft(*target.to_peft(a, b), _weight_shape(applied.model, path, name))
         np.testing.assert_array_equal(back[0], a)
         np.testing.assert_array_equal(back[1], b)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_structure_only_is_qwixs_model_with_zeros_on_the_base_arrays(loaded: dict[str, LoadedModel], family: str) -> None:
+    """A resume's LoRA (`structure_only`, Qwix's forward traced, not run): the same params, zero,
+    over the base's own arrays; with the eager model's values set, the logits are the same bits."""
+    base = loaded[family]
+    spec = LoraSpec(rank=RANK, alpha=ALPHA, dropout=0.1)
+    eager = apply_lora(base.model, spec, base.family, seed=0)
+    origin = partial_eval.DynamicJaxprTracer._origin_msg
+    traced = apply_lora(base.model, spec, base.family, seed=0, structure_only=True)
+    assert partial_eval.DynamicJaxprTracer._origin_msg is origin  # tracer errors name their origin again
+    assert traced.module_paths == eager.module_paths
+    want, got = lora_state(eager.model), lora_state(traced.model)
+    assert {p: {n: (v.shape, v.dtype) for n, v in ps.items()} for p, ps in got.items()} == {
+        p: {n: (v.shape, v.dtype) for n, v in ps.items()} for p, ps in want.items()}  # fmt: skip
+    assert all(not np.asarray(v).any() for ps in got.values() for v in ps.values())
+    ours = dict(nnx.to_flat_state(nnx.state(traced.model, nnx.Not(nnx.LoRAParam))))
+    theirs = dict(nnx.to_flat_state(nnx.state(base.model)))
+    assert set(theirs) <= set(ours)  # and the dropout stream's state
+    assert all(ours[path].get_value() is var.get_value() for path, var in theirs.items())  # no copy of the base
+    set_lora_state(traced.model, _random_lora(want, seed=5))
+    set_lora_state(eager.model, _random_lora(want, seed=5))
+    tokens = _tokens()
+    with no_lora_dropout():
+        np.testing.assert_array_equal(np.asarray(forward_logits(traced.model, tokens)),
+                                      np.asarray(forward_logits(eager.model, tokens)))  # fmt: skip
+
+
+def test_structure_only_still_quantizes_under_qlora(loaded: dict[str, LoadedModel]) -> None:
+    """QLoRA's quantized weights come out of Qwix's forward, so `structure_only` runs it."""
+    base = loaded["llama3"]
+    spec = LoraSpec(rank=RANK, alpha=ALPHA, target_modules=r"layers/0/mlp/down_proj",
+                    quantization=QuantizationSpec(weight_qtype="int8", tile_size=16))  # fmt: skip
+    eager = apply_lora(base.model, spec, base.family, seed=0).model
+    traced = apply_lora(base.model, spec, base.family, seed=0, structure_only=True).model
+    ours, theirs = lora_state(traced)["layers/0/mlp/down_proj"], lora_state(eager)["layers/0/mlp/down_proj"]
+    assert sorted(ours) == sorted(theirs) and all(np.array_equal(ours[n], theirs[n]) for n in ours)  # A: he-uniform, not zeros
+    tokens = _tokens()
+    np.testing.assert_array_equal(np.asarray(forward_logits(traced, tokens)), np.asarray(forward_logits(eager, tokens)))
 
 
 def _weight_shape(model: nnx.Module, path: str, name: str) -> tuple[int, ...]:

@@ -424,6 +424,11 @@ _MESH_SCRIPT = textwrap.dedent(
     lora = apply_lora(sharded, LoraSpec(rank=4, alpha=8), get_family("llama3"), seed=0).model
     a_q = lora.layers[0].attn.q_proj.w_lora_a.get_value()
     assert a_q.sharding.spec[0] == "fsdp" and len(a_q.addressable_shards) == 2, a_q.sharding
+    from lora_trainer.lora import lora_state
+    zeros = lora_state(apply_lora(sharded, LoraSpec(rank=4, alpha=8), get_family("llama3"), seed=0, structure_only=True).model)
+    for path, params in lora_state(lora).items():  # a resume's LoRA lies where a fresh run's does
+        for name, value in params.items():
+            assert zeros[path][name].sharding == value.sharding, (path, name, zeros[path][name].sharding, value.sharding)
     with jax.set_mesh(mesh):
         c = np.asarray(forward_logits(lora, tokens))
     assert np.abs(c - b).max() < 1e-5, np.abs(c - b).max()

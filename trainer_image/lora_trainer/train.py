@@ -247,7 +247,7 @@ class _Run:
         if resume_step is None and cfg.lora.restore_from:
             restored = _restore_adapter(cfg.lora.restore_from, cfg.model.source, loaded.family.name)
             _check_restored(cfg, restored[1])
-        model = self._adapter(loaded, restored)
+        model = self._adapter(loaded, restored, resuming=resume_step is not None)
         trainer = tunix_trainer.make_trainer(model, t, splash=self.kernel == "splash")
         trainer.compile_ahead(tunix_trainer.on_mesh(batches.stream.peek(), self.mesh))  # while the checkpoint restores
         store = checkpoint.TrainingCheckpoints(self.root, keep=t.checkpoints_to_keep)
@@ -326,21 +326,24 @@ class _Run:
             eval_batches = data.eval_batches(eval_seqs, global_batch=micro, seq_len=eval_len, pad_id=pad_id)
         return _Data(stream, eval_batches, seq_len)
 
-    def _adapter(self, loaded: LoadedModel, restored: tuple[dict[str, Any], dict[str, Any]] | None) -> nnx.Module:
+    def _adapter(self, loaded: LoadedModel, restored: tuple[dict[str, Any], dict[str, Any]] | None,
+                 *, resuming: bool) -> nnx.Module:
         """The base with (Q)LoRA applied (and a `restoreFrom` adapter loaded), set to rematerialise as configured.
 
         The LoRA model replaces the base in `loaded`: under QLoRA the base's 16-bit originals of the
         quantized weights are then freed (Qwix clones the model, so the original kept them alive).
         QLoRA is applied where the base was loaded, on the host, and the quantized model then
-        moved onto the mesh."""
+        moved onto the mesh. A resume builds LoRA's structure only: its checkpoint holds the values."""
         cfg, quant = self.cfg, self.cfg.lora.quantization
         start = time.perf_counter()
         with _on_host() if quant else contextlib.nullcontext():
-            applied = apply_lora(loaded.model, cfg.lora, loaded.family, seed=cfg.training.seed, batch_shape=(1, 8))
+            applied = apply_lora(loaded.model, cfg.lora, loaded.family, seed=cfg.training.seed, batch_shape=(1, 8),
+                                 structure_only=resuming)
         loaded.model = applied.model
         if quant:
             place_on_mesh(applied.model, self.mesh)
-        log.info("added LoRA (%s trainable parameters)%s in %.1fs", _count(applied.model, nnx.LoRAParam),
+        log.info("added LoRA (%s trainable parameters%s)%s in %.1fs", _count(applied.model, nnx.LoRAParam),
+                 "; zeros until the checkpoint restores them" if resuming and not quant else "",
                  f" and quantized the base weights to {quant.weight_qtype}" if quant else "", time.perf_counter() - start)
         self.metadata["modulePaths"] = applied.module_paths
         if restored is not None:
