@@ -113,9 +113,9 @@ def apply_lora(
     Runs one dummy forward of `batch_shape` tokens so Qwix creates every `nnx.LoRAParam`
     (A: he-uniform from `seed`, B: zeros, so the model's output is unchanged).
 
-    `structure_only` is for a resume, whose checkpoint overwrites every LoRA value: the forward
-    is then only traced (`nnx.eval_shape`) and the new params are zeros, placed as Qwix places
-    them. Run op by op, that forward is ~176 small programs: 4.0 s of a v5e restart, 2.1 s on
+    `structure_only` is for callers that set every LoRA value next (a resume from its
+    checkpoint, an adapter's logits): the forward is then only traced (`nnx.eval_shape`) and
+    the new params are zeros, placed as Qwix places them. Run op by op, that forward is ~176 small programs: 4.0 s of a v5e restart, 2.1 s on
     CPU, against well under a second traced. QLoRA's forward computes the quantized weights,
     so under QLoRA it always runs.
     """

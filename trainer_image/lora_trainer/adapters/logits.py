@@ -36,7 +36,7 @@ def jax_logits(base: str, tokens: Sequence[int], *, adapter: str | None = None, 
         shapes = BaseShapes(loaded.family, loaded.hf_config, targetable_modules(model, loaded.family))
         tree, metadata = load_adapter(adapter, shapes)
         spec = LoraSpec(rank=int(metadata["rank"]), alpha=float(metadata["alpha"]), target_modules=str(metadata["targetModules"]))
-        model = apply_lora(model, spec, loaded.family, seed=0).model
+        model = apply_lora(model, spec, loaded.family, seed=0, structure_only=True).model  # values: the adapter's
         set_lora_state(model, tree)
     logits = forward_logits(model, np.asarray([list(tokens)], dtype=np.int32))
     return np.asarray(logits[0], dtype=np.float32)
