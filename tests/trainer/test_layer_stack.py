@@ -4,6 +4,8 @@ layers that are not one program, naming why."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import jax
@@ -15,7 +17,7 @@ from trainer_fixtures import hlo_dots, loss_and_lora_grads, parse, random_inputs
 
 from lora_trainer import checkpoint
 from lora_trainer.config import LoraSpec, QuantizationSpec
-from lora_trainer.errors import UserError
+from lora_trainer.errors import Preempted, UserError
 from lora_trainer.lora import apply_lora, lora_state
 from lora_trainer.loss import lm_loss
 from lora_trainer.models import layer_stack, load_model, remat
@@ -122,3 +124,28 @@ def test_a_scanned_run_trains_the_adapter_an_unrolled_run_does(tmp_path) -> None
     for path, params in adapters[False].items():
         for name, want in params.items():
             np.testing.assert_allclose(adapters[True][path][name], want, rtol=1e-4, atol=1e-6, err_msg=f"{path}/{name}")
+
+
+def test_a_scanned_run_preempted_and_resumed_ends_where_an_uninterrupted_one_does(tmp_path) -> None:  # noqa: ANN001
+    """The resume stacks LoRA built from Qwix's traced forward (zeros), then restores the per-layer checkpoint into it."""
+    adapters = []
+    for name, stop_at in (("preempted", 2), ("uninterrupted", None)):
+        cfg = parse(train_config(tmp_path, str(tmp_path / name), steps=6, checkpointEvery=3, scanLayers=True))
+
+        def preempt(record: dict, stop_at: int | None = stop_at) -> None:
+            if record["step"] == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        if stop_at is not None:
+            with pytest.raises(Preempted):
+                run_training(cfg, on_progress=preempt)
+            stopped = checkpoint.latest_committed_step(str(tmp_path / name / "checkpoints"))
+            assert stopped is not None and 2 <= stopped < 6
+        result = run_training(cfg)
+        assert result.final_step == 6
+        adapters.append(checkpoint.read_lora(result.checkpoint_root)[0])
+    resumed, straight = adapters
+    assert resumed.keys() == straight.keys()
+    for path, params in straight.items():
+        for name, want in params.items():
+            np.testing.assert_array_equal(resumed[path][name], want, err_msg=f"{path}/{name}")
