@@ -42,11 +42,14 @@ LoraTree = dict[str, dict[str, Any]]
 
 @dataclasses.dataclass
 class LoraApplied:
-    """The model with LoRA params, the regex that chose the modules, and the modules it chose."""
+    """The model with LoRA params, the regex that chose the modules, and the modules it chose.
+
+    `zeros`: the LoRA params are zeros for the caller to set (`structure_only`, QLoRA aside)."""
 
     model: nnx.Module
     target_regex: str
     module_paths: list[str]
+    zeros: bool
 
 
 def resolve_target_regex(target_modules: str, family: FamilySpec) -> str:
@@ -115,9 +118,9 @@ def apply_lora(
 
     `structure_only` is for callers that set every LoRA value next (a resume from its
     checkpoint, an adapter's logits): the forward is then only traced (`nnx.eval_shape`) and
-    the new params are zeros, placed as Qwix places them. Run op by op, that forward is ~176 small programs: 4.0 s of a v5e restart, 2.1 s on
-    CPU, against well under a second traced. QLoRA's forward computes the quantized weights,
-    so under QLoRA it always runs.
+    the new params are zeros, placed as Qwix places them. Run op by op, that forward is ~176
+    small programs: 4.0 s of a v5e restart, 2.1 s on CPU, against well under a second traced.
+    QLoRA's forward computes the quantized weights, so under QLoRA it always runs.
     """
     regex = resolve_target_regex(lora_spec.target_modules, family)
     available, matched = _matched_modules(model, family, regex)
@@ -130,7 +133,8 @@ def apply_lora(
             model, provider, tokens, positions, None, mask, rngs=nnx.Rngs(params=seed, dropout=seed)
         )
 
-    if structure_only and lora_spec.quantization is None:
+    zeros = structure_only and lora_spec.quantization is None
+    if zeros:
         # `model` closed over, not an argument: its weights stay concrete in the trace, where Qwix reads their shardings.
         with _tracer_errors_without_origin():
             lora_model = _filled(nnx.eval_shape(with_lora), model)
@@ -144,7 +148,7 @@ def apply_lora(
     # Said once, so that a regex written for another family's names (q_proj on Gemma 3, whose
     # query projection is q_einsum) shows what it left out.
     log.info("LoRA on %d modules (lora.targetModules %r): %s", len(created), regex, _summarise(created))
-    return LoraApplied(model=lora_model, target_regex=regex, module_paths=created)
+    return LoraApplied(model=lora_model, target_regex=regex, module_paths=created, zeros=zeros)
 
 
 @contextlib.contextmanager

@@ -343,7 +343,7 @@ class _Run:
         if quant:
             place_on_mesh(applied.model, self.mesh)
         log.info("added LoRA (%s trainable parameters%s)%s in %.1fs", _count(applied.model, nnx.LoRAParam),
-                 "; zeros until the checkpoint restores them" if resuming and not quant else "",
+                 "; zeros until the checkpoint restores them" if applied.zeros else "",
                  f" and quantized the base weights to {quant.weight_qtype}" if quant else "", time.perf_counter() - start)
         self.metadata["modulePaths"] = applied.module_paths
         if restored is not None:
