@@ -11,7 +11,7 @@ import jax
 import pytest
 from trainer_fixtures import parse, train_config
 
-from lora_trainer import compile_cache, data
+from lora_trainer import compile_cache, data, step_preload
 from lora_trainer.errors import Preempted
 from lora_trainer.train import run_training
 
@@ -34,6 +34,7 @@ def test_a_run_restarted_after_a_preemption_loads_its_train_step_from_the_cache(
     assert jax.config.jax_compilation_cache_dir == before  # the process's own setting is back
 
     jax.clear_caches()  # as a new process after the preemption: nothing compiled in memory
+    preloaded = step_preload.preload(str(cache))  # what `lora-trainer train` loads ahead, at its start
 
     def no_tokenizer(model_dir: object) -> None:
         raise AssertionError("the restart loaded the tokenizer: the tokenized data should come from <output>/tokenized")
@@ -44,6 +45,7 @@ def test_a_run_restarted_after_a_preemption_loads_its_train_step_from_the_cache(
     assert result.final_step == 4
     hits = [r.getMessage() for r in caplog.records if "Persistent compilation cache hit" in r.getMessage()]
     assert any("'jit__train_step'" in h for h in hits), hits
+    assert preloaded is not None and any(f"with key '{preloaded.removesuffix('-cache')}'" in h for h in hits), (preloaded, hits)
 
 
 @pytest.mark.slow

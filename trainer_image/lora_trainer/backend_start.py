@@ -7,7 +7,8 @@ saves"). The runtime's start is native code that does not need the interpreter, 
 imports are Python that does not need the runtime, so the two can overlap.
 
 `start()` is called by `lora-trainer train` before it imports the trainer; `ready()` is
-where `run_training` needs the runtime. `ready()` without a `start()` (tests, library use)
+where `run_training` needs the runtime. Given the run's config, `start()` then also loads the
+train step kept in the run's compilation cache, on a thread of its own (`step_preload`). `ready()` without a `start()` (tests, library use)
 does the same work in place, and either way its effects are those of the calls it makes:
 malloc tuned before JAX's thread pools exist, the multi-host run joined before the backend
 starts (JAX requires that order), and an error raised there (a bad pod environment) raised
@@ -18,9 +19,13 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from lora_trainer import host_memory, trainer_logging
 from lora_trainer.background import in_background
+
+if TYPE_CHECKING:
+    from lora_trainer.config import TrainConfig
 
 _lock = threading.Lock()
 _pending: Future[None] | None = None
@@ -36,15 +41,25 @@ def _start_runtime() -> None:
     jax.devices()
 
 
-def start() -> None:
-    """Tune malloc here, then join the run and start the backend on a daemon thread. Once per process."""
+def _start_runtime_then_preload(cfg: TrainConfig | None) -> None:
+    """`_start_runtime`, then (for a run) the cached train step's load begun on its own thread."""
+    _start_runtime()
+    if cfg is not None:
+        from lora_trainer import compile_cache, step_preload
+
+        step_preload.start(compile_cache.location(cfg.training.compilation_cache, cfg.output.uri))
+
+
+def start(cfg: TrainConfig | None = None) -> None:
+    """Tune malloc here, then join the run and start the backend on a daemon thread, and once it is
+    up load `cfg`'s cached train step ahead (`step_preload`). Once per process."""
     global _pending
     with _lock:
         if _pending is not None:
             return
         host_memory.retain_freed_memory()  # before any JAX thread exists (see host_memory)
         trainer_logging.configure()  # joining a multi-host run, on the thread, logs
-        _pending = in_background(_start_runtime, "backend-start")
+        _pending = in_background(lambda: _start_runtime_then_preload(cfg), "backend-start")
 
 
 def ready() -> None:

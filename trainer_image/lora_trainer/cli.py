@@ -73,7 +73,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from lora_trainer.config import load_train_config
 
         cfg = load_train_config(args.config)  # a bad config fails in a quarter second, before any runtime starts
-        backend_start.start()  # the runtime starts while the trainer's modules import
+        backend_start.start(cfg)  # the runtime starts (then the cached step loads) while the trainer's modules import
         from lora_trainer.train import run_training
 
         fields = {
