@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from jax.interpreters import partial_eval
 
+from lora_trainer import lora_names
 from lora_trainer.config import LoraSpec, QuantizationSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
@@ -265,3 +266,11 @@ def test_lora_dropout_model_runs_after_apply(loaded: dict[str, LoadedModel]) -> 
     tokens = _tokens()
     first, second = (np.asarray(forward_logits(model, tokens)) for _ in range(2))
     assert np.isfinite(first).all() and np.abs(first - second).max() > 0  # a fresh dropout mask per call
+
+
+def test_lora_param_names_pair_and_parse_back() -> None:
+    """Qwix's names as the trainer, its checkpoints and the PEFT mapping read them (Qwix's own are checked above)."""
+    assert lora_names.pair("kernel") == ("kernel_lora_a", "kernel_lora_b")
+    assert [lora_names.weight_of(n) for n in lora_names.pair("w")] == ["w", "w"]
+    assert lora_names.weight_of("w") is None and lora_names.weight_of("_lora_a") is None
+    assert lora_names.is_up("w_lora_b") and not lora_names.is_up("w_lora_a") and not lora_names.is_up("_lora_b")

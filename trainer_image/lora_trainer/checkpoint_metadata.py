@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from lora_trainer import storage
+from lora_trainer import lora_names, storage
 from lora_trainer.errors import UserError, shown
 from lora_trainer.models.registry import FAMILIES
 
@@ -130,8 +130,8 @@ def check_lora_tree(tree: Mapping[str, Any], metadata: Mapping[str, Any], where:
     rank = metadata["rank"]
     for path, params in sorted(tree.items()):
         names = sorted(params) if isinstance(params, Mapping) else []
-        stem = names[0][: -len("_lora_a")] if names and names[0].endswith("_lora_a") else None
-        if stem is None or names != [f"{stem}_lora_a", f"{stem}_lora_b"]:
+        stem = lora_names.weight_of(names[0]) if names else None
+        if stem is None or names != list(lora_names.pair(stem)):
             raise UserError(f"{item}: module {path!r} holds {names or type(params).__name__}, expected one pair <w>_lora_a, <w>_lora_b")
         for name, axis in ((names[0], -1), (names[1], 0)):
             array = params[name]

@@ -26,6 +26,7 @@ import qwix
 from flax import nnx
 from jax.interpreters import partial_eval
 
+from lora_trainer import lora_names
 from lora_trainer.config import LoraSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora_provider import LoraProvider
@@ -186,7 +187,7 @@ def _filled(abstract: nnx.Module, base: nnx.Module) -> nnx.Module:
         if not isinstance(var, nnx.LoRAParam):
             raise AssertionError(f"Qwix added {type(var).__name__} {path} besides LoRA params; it has no value to fill")
         shape = var.get_value()
-        weight = arrays[(*path[:-1], re.sub(r"_lora_[ab]$", "", str(path[-1])))]
+        weight = arrays[(*path[:-1], lora_names.weight_of(str(path[-1])))]
         axes = var.get_metadata().get("out_sharding")
         zeros = jnp.zeros(shape.shape, shape.dtype)
         if isinstance(weight.sharding, jax.sharding.NamedSharding) and axes is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lora_trainer import storage
+from lora_trainer import lora_names, storage
 from lora_trainer.adapters.base_model import BaseShapes, base_shapes
 from lora_trainer.adapters.export import adapter_from_checkpoint, write_adapter_output
 from lora_trainer.adapters.mapping import LoraTree, peft_to_lora_tree, target_regex
@@ -137,7 +137,7 @@ def load_peft_as_lora_tree(
     if alpha is not None and not math.isclose(alpha, adapter.hyper.alpha, rel_tol=1e-12):
         factor = np.float32(adapter.hyper.alpha / alpha)
         log.info("restoreFrom %s: adapter alpha %s, run alpha %s: rescaling lora_b by %s", adapter_uri, adapter.hyper.alpha, alpha, factor)
-        tree = {p: {n: (v * factor if n.endswith("_lora_b") else v) for n, v in params.items()} for p, params in tree.items()}
+        tree = {p: {n: (v * factor if lora_names.is_up(n) else v) for n, v in params.items()} for p, params in tree.items()}
     return tree
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import einops
 import numpy as np
 
+from lora_trainer import lora_names
 from lora_trainer.adapters.peft_format import KEY_PREFIX
 from lora_trainer.errors import UserError
 from lora_trainer.models.mapping import expand
@@ -43,7 +44,7 @@ def lora_tree_to_peft(tree: Mapping[str, Mapping[str, Any]], family: FamilySpec,
                 f"{where} has LoRA parameters for {path!r}, which is not a LoRA-targetable module of family "
                 f"{family.name}; it cannot be expressed as an HF PEFT adapter"
             ) from None
-        names = (f"{target.weight_name}_lora_a", f"{target.weight_name}_lora_b")
+        names = lora_names.pair(target.weight_name)
         if set(params) != set(names):
             raise UserError(f"{where}: the LoRA parameters for {path!r} are {sorted(params)}, expected {list(names)}")
         try:
@@ -98,7 +99,7 @@ def peft_to_lora_tree(
                 )
         a, b = target.from_peft(peft_a, peft_b, weight_shape)
         # Views, not copies: Orbax and device_put copy them anyway.
-        tree[path] = {f"{target.weight_name}_lora_a": a, f"{target.weight_name}_lora_b": b}
+        tree[path] = dict(zip(lora_names.pair(target.weight_name), (a, b), strict=True))
     return tree
 
 
