@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import jax
 import pytest
+from trainer_fixtures import parse, train_config
 
-from lora_trainer import backend_start
+from lora_trainer import backend_start, step_preload
 from lora_trainer.background import in_background
 from lora_trainer.errors import UserError
 
@@ -66,3 +68,19 @@ def test_background_work_hands_back_its_result_or_its_error_from_a_daemon_thread
 
     with pytest.raises(UserError, match="names no coordinator"):
         in_background(fail, "probe").result(timeout=30)
+
+
+def test_the_cached_train_step_is_loaded_ahead_from_the_runs_own_cache_only(
+        fresh: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A cache shared between runs (`compilationCache.uri`) may hold another run's newest step, for other chips."""
+    caches: list[str | None] = []
+    monkeypatch.setattr(step_preload, "start", caches.append)
+    own = train_config(tmp_path, str(tmp_path / "out"), steps=1)
+    backend_start.start(parse(own))
+    backend_start.ready()
+    assert caches == [str(tmp_path / "out" / "compilation-cache")]
+
+    monkeypatch.setattr(backend_start, "_pending", None)
+    backend_start.start(parse({**own, "training": {**own["training"], "compilationCache": {"uri": str(tmp_path / "shared")}}}))
+    backend_start.ready()
+    assert caches == [str(tmp_path / "out" / "compilation-cache")]  # nothing more

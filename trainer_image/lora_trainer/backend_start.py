@@ -42,9 +42,11 @@ def _start_runtime() -> None:
 
 
 def _start_runtime_then_preload(cfg: TrainConfig | None) -> None:
-    """`_start_runtime`, then (for a run) the cached train step's load begun on its own thread."""
+    """`_start_runtime`, then (for a run keeping its own compilation cache) the cached train step's
+    load begun on its own thread. Not from a cache shared with other runs (`compilationCache.uri`):
+    its newest train step may be another run's, compiled for other chips."""
     _start_runtime()
-    if cfg is not None:
+    if cfg is not None and cfg.training.compilation_cache.uri is None:
         from lora_trainer import compile_cache, step_preload
 
         step_preload.start(compile_cache.location(cfg.training.compilation_cache, cfg.output.uri))

@@ -10,11 +10,11 @@ native code that lets go of the GIL (the main thread kept over 90% of its pace b
 it runs while the trainer's modules import and the base model loads. JAX's own read of the step
 then took 2.7 s instead of 6.9 s, and the restart 30.0-31.2 s instead of 33.0 s.
 
-Only a head start: the entry loaded is a guess (the newest train step in the cache, which after a
-preemption is the one the run's last process used). JAX still computes its own key and reads its
-own entry; a wrong guess costs this thread's time and nothing else, and any error here is logged
-and dropped. The loaded program is freed at once: kept alive until JAX's read, that read took
-5.6 s rather than 2.7 s.
+Only a head start: the entry loaded is a guess (the newest train step in the run's own cache, which
+after a preemption is the one the run's last process used; a cache shared between runs is left
+alone, see `backend_start`). JAX still computes its own key and reads its own entry; a wrong guess
+costs this thread's time and nothing else, and any error here is logged and dropped. The loaded
+program is freed at once: kept alive until JAX's read, that read took 5.6 s rather than 2.7 s.
 """
 
 from __future__ import annotations
