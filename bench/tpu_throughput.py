@@ -263,6 +263,30 @@ def _compiles(text: str) -> dict[str, Any]:
     }
 
 
+#: A start's milestones, each the first output line matching: where a (warm) restart's time goes.
+TIMELINE = {
+    "run_began": r"compiled programs are cached in",  # imports done, the runtime up (`backend_start`)
+    "base_loaded": r"INFO lora_trainer\.train: loaded the ",
+    "step_preloaded": r"loaded the train step compiled earlier",  # `step_preload`, on its thread
+    "lora_added": r"added LoRA ",
+    "step_traced": r"Finished tracing _train_step ",  # the compile-ahead thread
+    "step_lowered": r"Finished jaxpr to MLIR module conversion jit\(_train_step\)",
+    "step_compiled_or_read": r"Finished XLA compilation of jit\(_train_step\)",
+    "restored": r"resuming from step ",
+    "first_step_done": r"compiled the train step and ran in",
+}
+
+
+def timeline(lines: list[tuple[float, str]]) -> dict[str, float]:
+    """Seconds from the process's start to each `TIMELINE` milestone its output reached."""
+    reached: dict[str, float] = {}
+    for t, line in lines:
+        for name, pattern in TIMELINE.items():
+            if name not in reached and re.search(pattern, line):
+                reached[name] = round(t, 2)
+    return reached
+
+
 def _summary(run: dict[str, Any], case: str) -> dict[str, Any]:
     """What a trainer run's output says: step times, tokens/s, MFU, compile time, memory, checkpoint cost."""
     text = "".join(line for _, line in run["lines"])
@@ -284,6 +308,7 @@ def _summary(run: dict[str, Any], case: str) -> dict[str, Any]:
         "lora": _seconds(r"added LoRA .* in ([\d.]+)s", text),
         "first_step": float(first.group(2)) if first else None,
         "start_to_first_step": first_at,
+        "timeline": timeline(run["lines"]),
         "memory": memory.group(1) if memory else None,
         "step_seconds": statistics.median(r["stepTimeSeconds"] for r in timed) if timed else None,
         "tokens_per_second": statistics.median(r["tokensPerSecond"] for r in timed) if timed else None,
