@@ -8,11 +8,12 @@ imports are Python that does not need the runtime, so the two can overlap.
 
 `start()` is called by `lora-trainer train` before it imports the trainer; `ready()` is
 where `run_training` needs the runtime. Given the run's config, `start()` then also loads the
-train step kept in the run's compilation cache, on a thread of its own (`step_preload`). `ready()` without a `start()` (tests, library use)
-does the same work in place, and either way its effects are those of the calls it makes:
-malloc tuned before JAX's thread pools exist, the multi-host run joined before the backend
-starts (JAX requires that order), and an error raised there (a bad pod environment) raised
-again in the caller's thread, where the CLI maps it to its exit code.
+train step kept in the run's compilation cache, on a thread of its own (`step_preload`).
+`ready()` without a `start()` (tests, library use) does the same work in place (no preload),
+and either way its effects are those of the calls it makes: malloc tuned before JAX's thread
+pools exist, the multi-host run joined before the backend starts (JAX requires that order),
+and an error raised there (a bad pod environment) raised again in the caller's thread, where
+the CLI maps it to its exit code.
 """
 
 from __future__ import annotations
