@@ -394,7 +394,7 @@ def test_sigterm_saves_before_an_eval_pass(tmp_path):
 
 
 @pytest.mark.slow
-def test_restore_from_an_orbax_adapter(tmp_path):
+def test_restore_from_an_orbax_adapter(tmp_path, capsys):
     rng = np.random.default_rng(1)
     src = train_config(tmp_path, str(tmp_path / "unused"))
     loaded = load_model(str(tiny_llama()), dtype="float32")
@@ -415,7 +415,9 @@ def test_restore_from_an_orbax_adapter(tmp_path):
     # With a vanishing learning rate, one step leaves the restored adapter in place.
     ok = {**src, "lora": {"rank": 4, "alpha": 8.0, "restoreFrom": str(tmp_path / "adapter")}, "output": {"uri": str(tmp_path / "ok")}}
     ok["training"] = {**src["training"], "steps": 1, "learningRate": 1e-12, "warmupSteps": 0}
+    capsys.readouterr()
     result = run_training(parse(ok))
+    assert "zeros until the adapter sets them" in capsys.readouterr().err  # LoRA built from Qwix's forward traced, not run
     got, _ = checkpoint.read_lora(result.checkpoint_root)
     for p, ps in adapter.items():
         for n, v in ps.items():

@@ -333,17 +333,18 @@ class _Run:
         The LoRA model replaces the base in `loaded`: under QLoRA the base's 16-bit originals of the
         quantized weights are then freed (Qwix clones the model, so the original kept them alive).
         QLoRA is applied where the base was loaded, on the host, and the quantized model then
-        moved onto the mesh. A resume builds LoRA's structure only: its checkpoint holds the values."""
+        moved onto the mesh. A resume, or a start from a `restoreFrom` adapter, builds LoRA's structure
+        only: the checkpoint or the adapter holds every value."""
         cfg, quant = self.cfg, self.cfg.lora.quantization
         start = time.perf_counter()
         with _on_host() if quant else contextlib.nullcontext():
             applied = apply_lora(loaded.model, cfg.lora, loaded.family, seed=cfg.training.seed, batch_shape=(1, 8),
-                                 structure_only=resuming)
+                                 structure_only=resuming or restored is not None)
         loaded.model = applied.model
         if quant:
             place_on_mesh(applied.model, self.mesh)
         log.info("added LoRA (%s trainable parameters%s)%s in %.1fs", _count(applied.model, nnx.LoRAParam),
-                 "; zeros until the checkpoint restores them" if applied.zeros else "",
+                 f"; zeros until the {'checkpoint restores' if resuming else 'adapter sets'} them" if applied.zeros else "",
                  f" and quantized the base weights to {quant.weight_qtype}" if quant else "", time.perf_counter() - start)
         self.metadata["modulePaths"] = applied.module_paths
         if restored is not None:
