@@ -9,7 +9,7 @@ import signal
 
 import jax
 import pytest
-from trainer_fixtures import parse, train_config
+from trainer_fixtures import parse, train_config, trainer_log
 
 from lora_trainer import compile_cache, data, step_preload
 from lora_trainer.errors import Preempted
@@ -34,18 +34,20 @@ def test_a_run_restarted_after_a_preemption_loads_its_train_step_from_the_cache(
     assert jax.config.jax_compilation_cache_dir == before  # the process's own setting is back
 
     jax.clear_caches()  # as a new process after the preemption: nothing compiled in memory
-    preloaded = step_preload.preload(str(cache))  # what `lora-trainer train` loads ahead, at its start
+    pending = step_preload.start(str(cache))  # what `lora-trainer train` loads ahead, at its start
+    preloaded = pending.result(timeout=120) if pending is not None else None
 
     def no_tokenizer(model_dir: object) -> None:
         raise AssertionError("the restart loaded the tokenizer: the tokenized data should come from <output>/tokenized")
 
     monkeypatch.setattr(data, "load_tokenizer", no_tokenizer)
-    with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
+    with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"), trainer_log(caplog, "lora_trainer.step_preload"):
         result = run_training(cfg)  # the same config, as the JobSet restarts it
     assert result.final_step == 4
     hits = [r.getMessage() for r in caplog.records if "Persistent compilation cache hit" in r.getMessage()]
     assert any("'jit__train_step'" in h for h in hits), hits
-    assert preloaded is not None and any(f"with key '{preloaded.removesuffix('-cache')}'" in h for h in hits), (preloaded, hits)
+    assert preloaded is not None and any(f"with key '{preloaded.key}'" in h for h in hits), (preloaded, hits)
+    assert f"JAX's read of the train step ({preloaded.key}) took the program loaded ahead" in caplog.text
 
 
 @pytest.mark.slow

@@ -97,6 +97,7 @@ def test_sigterm_then_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert text.count("resuming from step") == 1 and f"resuming from step {resumed_at}" in text
     assert "zeros until the checkpoint restores them" in text  # LoRA built from Qwix's forward traced, not run
     assert "loaded the train step compiled earlier (jit__train_step-" in text  # at start, on a thread (step_preload)
+    assert "took the program loaded ahead" in text  # and JAX's read took it: the run below still ends bit for bit
     assert progress_lines(log3)[0]["step"] == resumed_at + 1
 
     ref, got = _adapter(str(tmp_path / "ref" / "checkpoints")), _adapter(root)

@@ -5,8 +5,10 @@ reader of the dots in a compiled HLO module."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
+import logging
 import os
 import random
 import re
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,21 @@ def dot_operand_types(hlo: str) -> list[tuple[str, str]]:
 
 
 @functools.cache
+@contextlib.contextmanager
+def trainer_log(caplog: pytest.LogCaptureFixture, name: str) -> Iterator[pytest.LogCaptureFixture]:
+    """`caplog` capturing the trainer's logger `name` at INFO, also once `trainer_logging.configure()`
+    has stopped the trainer's records reaching the root logger, where `caplog` listens."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(level)
+
+
 def tiny_llama() -> Path:
     """A 1-layer tiny Llama 3.1 checkpoint (hidden 64, vocab 272) with its tokenizer; built once per process."""
     root = Path(tempfile.mkdtemp(prefix="lora-test-model-"))

@@ -23,7 +23,7 @@ from flax.nnx import variablelib
 from jax.interpreters import pxla
 from tunix.sft import inflight_throttler, peft_trainer, sharding_utils
 
-from lora_trainer import schedule
+from lora_trainer import schedule, step_preload
 from lora_trainer.background import in_background
 from lora_trainer.config import TrainingSpec
 from lora_trainer.errors import UserError
@@ -74,11 +74,13 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
         return sharding_utils.shard_input(self._prepare_inputs(micro_batch), self.config.data_sharding_axis)
 
     def train(self, *args: Any, **kwargs: Any) -> None:
-        """Tunix's `train`, once the step `compile_ahead` began is compiled (its error raised here)."""
+        """Tunix's `train`, once the step `compile_ahead` began is compiled (its error raised here).
+        Then the step is compiled, so a program `step_preload` loaded and JAX did not take is dropped."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead.result()
         super().train(*args, **kwargs)
+        step_preload.release()
 
     def _shard_optimizer(self, mesh: jax.sharding.Mesh) -> None:
         """Tunix's optimizer placement, then every replicated model/optimizer array on the mesh's `P()`.
