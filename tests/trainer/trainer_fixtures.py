@@ -50,7 +50,6 @@ def dot_operand_types(hlo: str) -> list[tuple[str, str]]:
     return [(lhs[0], rhs[0]) for _, lhs, rhs in hlo_dots(hlo)]
 
 
-@functools.cache
 @contextlib.contextmanager
 def trainer_log(caplog: pytest.LogCaptureFixture, name: str) -> Iterator[pytest.LogCaptureFixture]:
     """`caplog` capturing the trainer's logger `name` at INFO, also once `trainer_logging.configure()`
@@ -66,6 +65,7 @@ def trainer_log(caplog: pytest.LogCaptureFixture, name: str) -> Iterator[pytest.
         logger.setLevel(level)
 
 
+@functools.cache
 def tiny_llama() -> Path:
     """A 1-layer tiny Llama 3.1 checkpoint (hidden 64, vocab 272) with its tokenizer; built once per process."""
     root = Path(tempfile.mkdtemp(prefix="lora-test-model-"))
