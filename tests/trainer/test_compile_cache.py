@@ -9,7 +9,7 @@ import signal
 
 import jax
 import pytest
-from trainer_fixtures import parse, train_config, trainer_log
+from trainer_fixtures import cache_a_train_step, parse, train_config, trainer_log
 
 from lora_trainer import compile_cache, data, step_preload
 from lora_trainer.errors import Preempted
@@ -33,7 +33,10 @@ def test_a_run_restarted_after_a_preemption_loads_its_train_step_from_the_cache(
     assert [p.name for p in cache.iterdir() if p.name.startswith("jit__train_step")], "the train step was not cached"
     assert jax.config.jax_compilation_cache_dir == before  # the process's own setting is back
 
+    decoy_entry = cache_a_train_step(tmp_path / "decoy", 8)  # another program under the step's name: a wrong guess
     jax.clear_caches()  # as a new process after the preemption: nothing compiled in memory
+    decoy = step_preload.start(str(tmp_path / "decoy")).result(timeout=120)
+    assert decoy is not None and decoy.key == decoy_entry.removesuffix("-cache")
     pending = step_preload.start(str(cache))  # what `lora-trainer train` loads ahead, at its start
     preloaded = pending.result(timeout=120) if pending is not None else None
 
@@ -48,6 +51,7 @@ def test_a_run_restarted_after_a_preemption_loads_its_train_step_from_the_cache(
     assert any("'jit__train_step'" in h for h in hits), hits
     assert preloaded is not None and any(f"with key '{preloaded.key}'" in h for h in hits), (preloaded, hits)
     assert f"JAX's read of the train step ({preloaded.key}) took the program loaded ahead" in caplog.text
+    assert step_preload.taken(decoy.key, decoy.devices) is None  # dropped once the run's step was compiled
 
 
 @pytest.mark.slow

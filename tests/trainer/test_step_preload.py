@@ -18,24 +18,9 @@ import numpy as np
 import pytest
 from etils import epath
 from jax._src.lib import xla_client
-from trainer_fixtures import trainer_log
+from trainer_fixtures import cache_a_train_step, stand_in_train_step, trainer_log
 
 from lora_trainer import compile_cache, step_preload
-
-
-def _train_step(x: jax.Array) -> jax.Array:
-    return jnp.tanh(x @ x.T).sum(axis=0)
-
-
-def _cache_a_train_step(cache: Path, width: int) -> str:
-    """Compile a program named as the trainer's step into the persistent cache at `cache`; its entry's name."""
-    before = set(os.listdir(cache)) if cache.exists() else set()
-    jax.clear_caches()  # compiled here, not taken from an earlier test's compile in memory
-    with compile_cache.persistent(str(cache)):
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.jit(_train_step).lower(jax.ShapeDtypeStruct((width, width), jnp.float32)).compile()
-    (entry,) = {p for p in os.listdir(cache) if p.startswith("jit__train_step-")} - before
-    return entry
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +37,8 @@ def _loaded(cache: Path | str) -> step_preload.Loaded | None:
 
 def test_the_newest_train_step_is_loaded_and_other_programs_are_not(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache = tmp_path / "cache"
-    older = _cache_a_train_step(cache, 8)
-    newer = _cache_a_train_step(cache, 16)
+    older = cache_a_train_step(cache, 8)
+    newer = cache_a_train_step(cache, 16)
     (cache / "jit__eval_step-0123-cache").write_bytes(b"not a train step, never read")
     os.utime(cache / older, (1_000_000_000, 1_000_000_000))
     with trainer_log(caplog, "lora_trainer.step_preload"):
@@ -66,13 +51,13 @@ def test_the_newest_train_step_is_loaded_and_other_programs_are_not(tmp_path: Pa
 
 def test_jax_reading_the_entry_takes_the_program_loaded_ahead_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache = tmp_path / "cache"
-    entry = _cache_a_train_step(cache, 16)
+    entry = cache_a_train_step(cache, 16)
     jax.clear_caches()  # as a new process: nothing compiled in memory
     loaded = _loaded(cache)
     assert loaded is not None and loaded.key == entry.removesuffix("-cache")
     x = jnp.arange(256, dtype=jnp.float32).reshape(16, 16) / 256
     with compile_cache.persistent(str(cache)), trainer_log(caplog, "lora_trainer.step_preload"):
-        got = jax.jit(_train_step)(x)
+        got = jax.jit(stand_in_train_step)(x)
     assert f"JAX's read of the train step ({loaded.key}) took the program loaded ahead" in caplog.text
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.tanh(x @ x.T).sum(axis=0)))
     assert step_preload.taken(loaded.key, loaded.devices) is None  # once only: the program is JAX's now
@@ -80,7 +65,7 @@ def test_jax_reading_the_entry_takes_the_program_loaded_ahead_once(tmp_path: Pat
 
 def test_a_program_loaded_for_other_devices_is_not_taken(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache = tmp_path / "cache"
-    _cache_a_train_step(cache, 8)
+    cache_a_train_step(cache, 8)
     loaded = _loaded(cache)
     assert loaded is not None
     with trainer_log(caplog, "lora_trainer.step_preload"):
@@ -90,7 +75,7 @@ def test_a_program_loaded_for_other_devices_is_not_taken(tmp_path: Path, caplog:
 
 def test_a_wrong_guess_is_dropped_by_release(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    _cache_a_train_step(cache, 8)
+    cache_a_train_step(cache, 8)
     loaded = _loaded(cache)
     assert loaded is not None
     step_preload.release()  # the run's step compiled under another key

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from lora_trainer import compile_cache
 from lora_trainer.config import TrainConfig
 from lora_trainer.loss import lm_loss, model_inputs
 from lora_trainer.tiny_models import make_tiny_hf_model
@@ -48,6 +49,25 @@ def hlo_dots(hlo: str) -> list[tuple[list[str], tuple[str, list[str]], tuple[str
 def dot_operand_types(hlo: str) -> list[tuple[str, str]]:
     """The element types of every dot's operands in an optimized HLO module."""
     return [(lhs[0], rhs[0]) for _, lhs, rhs in hlo_dots(hlo)]
+
+
+def stand_in_train_step(x: jax.Array) -> jax.Array:
+    """A small program that XLA names as the trainer's step (`jit__train_step`, as `StateStep` names it)."""
+    return jnp.tanh(x @ x.T).sum(axis=0)
+
+
+stand_in_train_step.__name__ = stand_in_train_step.__qualname__ = "_train_step"
+
+
+def cache_a_train_step(cache: Path, width: int) -> str:
+    """Compile `stand_in_train_step` for [width, width] into the persistent cache at `cache`; its entry's name."""
+    before = set(os.listdir(cache)) if cache.exists() else set()
+    jax.clear_caches()  # compiled here, not taken from an earlier test's compile in memory
+    with compile_cache.persistent(str(cache)):
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.jit(stand_in_train_step).lower(jax.ShapeDtypeStruct((width, width), jnp.float32)).compile()
+    (entry,) = {p for p in os.listdir(cache) if p.startswith("jit__train_step-")} - before
+    return entry
 
 
 @contextlib.contextmanager

@@ -68,11 +68,12 @@ def load(entry: epath.Path) -> Loaded:
     """Read and deserialize the cache entry `entry` on this process's devices, as JAX's read would."""
     began = time.perf_counter()
     serialized, compile_time = jax_cache.extract_executable_and_time(jax_cache.decompress_executable(entry.read_bytes()))
-    devices = xla_client.DeviceList(tuple(jax.devices()))
-    executable = jax.devices()[0].client.deserialize_executable(serialized, executable_devices=devices)
+    devices = jax.devices()
+    device_list = xla_client.DeviceList(tuple(devices))
+    executable = devices[0].client.deserialize_executable(serialized, executable_devices=device_list)
     log.info("loaded the train step compiled earlier (%s, %.0f MiB) in %.1fs, ahead of its first use",
              entry.name, len(serialized) / 2**20, time.perf_counter() - began)
-    return Loaded(entry.name.removesuffix(_SUFFIX), executable, compile_time, devices)
+    return Loaded(entry.name.removesuffix(_SUFFIX), executable, compile_time, device_list)
 
 
 def start(cache: str | None) -> Future[Loaded | None] | None:
@@ -120,7 +121,8 @@ def taken(cache_key: str, executable_devices: Any) -> tuple[Any, int | None] | N
 
 
 def release() -> None:
-    """Drop what was loaded ahead and not taken (a wrong guess): called once the train step is compiled."""
+    """Drop what was loaded ahead and not taken (a wrong guess): called once the train step is compiled
+    (`tunix_trainer.LoraPeftTrainer.compile_ahead`)."""
     with _lock:
         _ahead.clear()
 

@@ -64,8 +64,11 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
         mesh, context = pxla.thread_resources.env.physical_mesh, contextvars.copy_context()
 
         def compile_step() -> None:
-            with contextlib.nullcontext() if mesh.empty else mesh:
-                context.run(lambda: self.train_step.jitted_fn.lower(*abstract).compile())
+            try:
+                with contextlib.nullcontext() if mesh.empty else mesh:
+                    context.run(lambda: self.train_step.jitted_fn.lower(*abstract).compile())
+            finally:
+                step_preload.release()  # JAX has read the step: a program loaded ahead and not taken was a wrong guess
 
         self._ahead = in_background(compile_step, "compile-ahead")
 
@@ -74,13 +77,11 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
         return sharding_utils.shard_input(self._prepare_inputs(micro_batch), self.config.data_sharding_axis)
 
     def train(self, *args: Any, **kwargs: Any) -> None:
-        """Tunix's `train`, once the step `compile_ahead` began is compiled (its error raised here).
-        Then the step is compiled, so a program `step_preload` loaded and JAX did not take is dropped."""
+        """Tunix's `train`, once the step `compile_ahead` began is compiled (its error raised here)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead.result()
         super().train(*args, **kwargs)
-        step_preload.release()
 
     def _shard_optimizer(self, mesh: jax.sharding.Mesh) -> None:
         """Tunix's optimizer placement, then every replicated model/optimizer array on the mesh's `P()`.
