@@ -39,11 +39,11 @@ from flax import nnx
 from lora_trainer import backend_start, checkpoint, compile_cache, data, distributed, schedule, storage, trainer_logging, tunix_trainer
 from lora_trainer import metrics as mfu_metrics
 from lora_trainer.async_saves import AsyncSaves
-from lora_trainer.background import in_background
+from lora_trainer.background import in_background, prompt_handoffs
 from lora_trainer.config import TrainConfig, TrainingSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora, lora_state, resolve_target_regex, set_lora_state
-from lora_trainer.models import LoadedModel, layer_stack, load_model, remat
+from lora_trainer.models import LoadedModel, late_weights, layer_stack, load_model, remat
 from lora_trainer.models.loading import host_device, place_on_mesh
 from lora_trainer.models.attention import choose_kernel, padded_length
 from lora_trainer.progress import IntervalTimer, ProgressCallback, ProgressSink, progress_record
@@ -249,9 +249,16 @@ class _Run:
             _check_restored(cfg, restored[1])
         model = self._adapter(loaded, restored, resuming=resume_step is not None)
         trainer = tunix_trainer.make_trainer(model, t, splash=self.kernel == "splash")
-        trainer.compile_ahead(tunix_trainer.on_mesh(batches.stream.peek(), self.mesh))  # while the checkpoint restores
         store = checkpoint.TrainingCheckpoints(self.root, keep=t.checkpoints_to_keep)
-        step = 0 if resume_step is None else self._resume(store, trainer, batches.stream, resume_step)
+        # Three things overlap here: the step traced and compiled (or read from the cache) on its
+        # thread, the checkpoint read on another, the base's weights read on this one. The last two
+        # are mostly native work, each waiting for the interpreter between its calls (`prompt_handoffs`).
+        with prompt_handoffs():
+            trainer.compile_ahead(tunix_trainer.on_mesh(batches.stream.peek(), self.mesh))
+            restoring = None if resume_step is None else self._restoring(store, trainer, resume_step)
+            if loaded.placeholders:
+                self._read_weights(loaded)
+            step = 0 if restoring is None else self._resume(restoring, trainer, batches.stream, resume_step)
         sink = ProgressSink(cfg.output.uri, primary=self.primary, resume_step=step, on_progress=self.on_progress)
         try:
             result = self._loop(trainer, batches, store, sink, step, loaded.hf_config)
@@ -266,14 +273,19 @@ class _Run:
         return result
 
     def _load_base(self) -> LoadedModel:
-        """The base model on the mesh, and the checkpoint metadata that says what this run trains."""
+        """The base model on the mesh, and the checkpoint metadata that says what this run trains.
+
+        Without QLoRA the weights are placeholders: `_read_weights` reads them once the train step
+        is compiling (`late_weights`). QLoRA quantizes the values, on the host: the 16-bit base of
+        a model that fits the chips only quantized never meets them."""
         cfg = self.cfg
         start = time.perf_counter()
-        # QLoRA quantizes on the host: the 16-bit base of a model that fits the chips only quantized never meets them.
+        quantized = cfg.lora.quantization is not None
         loaded = load_model(cfg.model.source, family=cfg.model.family, dtype=cfg.model.dtype, mesh=self.mesh,
-                            on_host=cfg.lora.quantization is not None)
-        log.info("loaded the %s model %s (%s parameters, %s) in %.1fs", loaded.family.name, cfg.model.source,
-                 _count(loaded.model), cfg.model.dtype, time.perf_counter() - start)
+                            on_host=quantized, placeholders=not quantized)
+        log.info("%s the %s model %s (%s parameters, %s) in %.1fs%s", "built" if loaded.placeholders else "loaded",
+                 loaded.family.name, cfg.model.source, _count(loaded.model), cfg.model.dtype, time.perf_counter() - start,
+                 "; its weights are read while the train step compiles" if loaded.placeholders else "")
         self.metadata = {
             "family": loaded.family.name,
             "multimodal": loaded.family.multimodal,
@@ -287,6 +299,13 @@ class _Run:
             "baseModelFingerprint": base_fingerprint(loaded.local_dir),
         }
         return loaded
+
+    def _read_weights(self, loaded: LoadedModel) -> None:
+        """The base's weights into the model that `_adapter` made of its placeholders."""
+        start = time.perf_counter()
+        late_weights.read_into(loaded.model, loaded)
+        log.info("loaded the base weights of %s in %.1fs, while the train step compiled", self.cfg.model.source,
+                 time.perf_counter() - start)
 
     def _data(self, loaded: LoadedModel) -> _Data:
         """Tokenize this process's share of the data (or read what an earlier start tokenized); batches padded to one length per set."""
@@ -356,12 +375,17 @@ class _Run:
         log.info("attention: %s kernel; rematerialisation: %s; %d decoder layers, %s", self.kernel, policy, layers, loop)
         return applied.model
 
-    def _resume(self, store: checkpoint.TrainingCheckpoints, trainer: tunix_trainer.LoraPeftTrainer,
-                stream: data.BatchStream, step: int) -> int:
-        """LoRA params, optimizer state and data position from committed checkpoint `step`; returns it."""
-        lora, opt, position, _ = store.restore(
-            step, lora_target=lora_state(trainer.model), optimizer_target=tunix_trainer.optimizer_state(trainer)
-        )
+    def _restoring(self, store: checkpoint.TrainingCheckpoints, trainer: tunix_trainer.LoraPeftTrainer,
+                   step: int) -> Future[tuple[Any, Any, dict[str, Any], dict[str, Any]]]:
+        """Committed checkpoint `step` read on a thread, laid out like the trainer's LoRA and
+        optimizer arrays (found here, once the optimizer is placed: `compile_ahead`)."""
+        lora_target, optimizer_target = lora_state(trainer.model), tunix_trainer.optimizer_state(trainer)
+        return in_background(lambda: store.restore(step, lora_target=lora_target, optimizer_target=optimizer_target), "restore")
+
+    def _resume(self, restoring: Future[tuple[Any, Any, dict[str, Any], dict[str, Any]]],
+                trainer: tunix_trainer.LoraPeftTrainer, stream: data.BatchStream, step: int) -> int:
+        """LoRA params, optimizer state and data position from the checkpoint `_restoring` reads; returns its step."""
+        lora, opt, position, _ = restoring.result()
         set_lora_state(trainer.model, lora)
         tunix_trainer.restore_optimizer_state(trainer, opt)
         stream.restore(position)

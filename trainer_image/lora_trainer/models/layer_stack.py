@@ -145,11 +145,21 @@ def stack_layers(model: nnx.Module) -> str | None:
         for path in paths:
             first = flat[0][path]
             values = [f.pop(path).get_value() for f in flat]
-            stacked[path] = first.replace(jax.tree.map(_stack, *values), **_with_layer_axis(first.get_metadata()))
+            stacked[path] = first.replace(jax.tree.map(stack_arrays, *values), **_with_layer_axis(first.get_metadata()))
             del values
         for layer in layers:
             _drop(layer, attribute)
     model.layer_stack = LayerStack(graphdef, nnx.from_flat_state(stacked))  # type: ignore[attr-defined]
+    return None
+
+
+def stacked_at(path: str) -> tuple[str, int] | None:
+    """Where the weight a model held at `path` (`layers/3/attn/q_proj/w`) lives once `stack_layers`
+    moved it: its stack's path (`layer_stack/frozen/attn/q_proj/w`) and its layer's index there.
+    None for a path outside the decoder layers. Pure."""
+    parts = path.split("/")
+    if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
+        return "/".join(("layer_stack", "frozen", *parts[2:])), int(parts[1])
     return None
 
 
@@ -185,7 +195,7 @@ def _signature(layer: nnx.Module) -> tuple[Any, ...]:
     return graphdef, jax.tree.map(lambda a: (a.shape, a.dtype), state)
 
 
-def _stack(*leaves: Any) -> Any:
+def stack_arrays(*leaves: Any) -> Any:
     """One weight's per-layer arrays as one [layers, ...] array, placed as they were plus the unsplit layer axis."""
     sharding = getattr(leaves[0], "sharding", None)
     out = None

@@ -49,6 +49,8 @@ class LoadedModel:
     """The decoder's config: config.json, or its `text_config` for a multimodal checkpoint."""
     local_dir: Path
     """A local directory with the checkpoint's files (config.json, tokenizer, safetensors)."""
+    placeholders: bool = False
+    """Every base weight is zeros, placed where its values go, until `late_weights.read_into` reads them."""
 
 
 def resolve_local_dir(source: str) -> Path:
@@ -128,18 +130,22 @@ def fill_params(
     dtype: str,
     mesh: jax.sharding.Mesh | None = None,
     on_host: bool = False,
+    placeholders: bool = False,
 ) -> nnx.Module:
     """A concrete model whose every parameter comes from `tensors` through the family's table.
 
     With `on_host` every parameter stays on this process's CPU (`host_device`), annotated for
-    `mesh` as if it had been placed there; `place_on_mesh` moves the model later."""
+    `mesh` as if it had been placed there; `place_on_mesh` moves the model later. With
+    `placeholders` every parameter is zeros, shape-checked against its tensor and placed as its
+    values would be; `late_weights.read_into` reads the values later."""
     graphdef, state = nnx.split(abstract)
     variables = {"/".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
     loaded: dict[str, jax.Array] = {}
     for hf_key, nnx_path, rule in expand_rules(family.weights, hf_config, family.num_layers(hf_config)):
         if nnx_path not in variables:
             raise AssertionError(f"{family.name} weight table names {nnx_path}, which the model does not have")
-        loaded[nnx_path] = _load_weight(variables[nnx_path], hf_key, rule, tensors, dtype=dtype, mesh=mesh, on_host=on_host)
+        loaded[nnx_path] = _load_weight(variables[nnx_path], hf_key, rule, tensors, dtype=dtype, mesh=mesh, on_host=on_host,
+                                        placeholder=placeholders)
     missing = sorted(set(variables) - set(loaded))
     if missing:
         raise AssertionError(f"{family.name} weight table does not cover NNX parameters {missing}")
@@ -158,8 +164,10 @@ def _load_weight(
     dtype: str,
     mesh: jax.sharding.Mesh | None,
     on_host: bool,
+    placeholder: bool = False,
 ) -> jax.Array:
-    """The HF tensor `hf_key` as the NNX parameter `var`: shape checked, converted by `rule`, placed."""
+    """The HF tensor `hf_key` as the NNX parameter `var`: shape checked, converted by `rule`, placed;
+    or, as a `placeholder`, zeros placed there (the tensor's data not read)."""
     shape = tuple(var.get_value().shape)
     expected = rule.hf_shape(shape)
     got = tensors.shape(hf_key)
@@ -168,7 +176,7 @@ def _load_weight(
             f"tensor {hf_key!r} in {tensors.directory} has shape {list(got)} but config.json implies "
             f"{list(expected)}: the weights do not match config.json (wrong file or edited config)"
         )
-    array = np.asarray(rule.to_nnx(tensors.get(hf_key), shape)).astype(DTYPES[dtype])
+    array = None if placeholder else np.asarray(rule.to_nnx(tensors.get(hf_key), shape)).astype(DTYPES[dtype])
     if mesh is not None:
         spec = _partition_spec(var, shape, mesh)
         # The annotation says what was placed: Qwix gives each LoRA factor its weight's annotation
@@ -180,8 +188,9 @@ def _load_weight(
     if on_host:
         return jax.device_put(array, host_device())
     if mesh is not None:
-        return _on_mesh(array, jax.sharding.NamedSharding(mesh, spec))
-    return jnp.asarray(array)
+        sharding = jax.sharding.NamedSharding(mesh, spec)
+        return jnp.zeros(shape, DTYPES[dtype], device=sharding) if array is None else _on_mesh(array, sharding)
+    return jnp.zeros(shape, DTYPES[dtype]) if array is None else jnp.asarray(array)
 
 
 def _log_unused(family: FamilySpec, hf_config: Mapping[str, Any], tensors: SafetensorsCheckpoint) -> None:
@@ -196,7 +205,7 @@ def _log_unused(family: FamilySpec, hf_config: Mapping[str, Any], tensors: Safet
         log.warning("ignoring %d checkpoint tensors the %s model does not use: %s", len(unused), family.name, unused[:8])
 
 
-def _on_mesh(array: np.ndarray, sharding: jax.sharding.NamedSharding) -> jax.Array:
+def _on_mesh(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """A host array as a global array: each process puts only its addressable shards on its devices (multi-host safe)."""
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
@@ -234,6 +243,7 @@ def load_model(
     dtype: str = "float32",
     mesh: jax.sharding.Mesh | None = None,
     on_host: bool = False,
+    placeholders: bool = False,
 ) -> LoadedModel:
     """Load an HF safetensors checkpoint (local dir or gs://) as the family's NNX model.
 
@@ -242,8 +252,12 @@ def load_model(
     from Tunix's per-parameter annotations (axes the mesh lacks or that do not divide a
     dimension are replicated). `on_host` keeps the weights on this process's CPU, annotated for
     `mesh` (`place_on_mesh` moves them): QLoRA quantizes there, so a base too large for the
-    accelerators in 16 bits never has to fit on them.
+    accelerators in 16 bits never has to fit on them. `placeholders` reads only the checkpoint's
+    headers: the weights are zeros until `late_weights.read_into` reads them into the model as it
+    is by then (LoRA applied, layers stacked), so that the train step compiles meanwhile.
     """
+    if placeholders and on_host:
+        raise ValueError("placeholders are placed on the mesh; a model staged on the host is loaded whole")
     if dtype not in DTYPES:
         raise UserError(f"model.dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     directory = resolve_local_dir(source)
@@ -252,5 +266,5 @@ def load_model(
     tensors = SafetensorsCheckpoint(directory)
     spec, hf_config = get_family(name).for_checkpoint(hf_config, tensors.keys())
     abstract = build_abstract(spec, hf_config, dtype)
-    model = fill_params(abstract, spec, hf_config, tensors, dtype=dtype, mesh=mesh, on_host=on_host)
-    return LoadedModel(model=model, family=spec, hf_config=hf_config, local_dir=directory)
+    model = fill_params(abstract, spec, hf_config, tensors, dtype=dtype, mesh=mesh, on_host=on_host, placeholders=placeholders)
+    return LoadedModel(model=model, family=spec, hf_config=hf_config, local_dir=directory, placeholders=placeholders)
