@@ -267,6 +267,7 @@ def _compiles(text: str) -> dict[str, Any]:
 #: A start's milestones, each the first output line matching: where a (warm) restart's time goes.
 TIMELINE = {
     "run_began": r"compiled programs are cached in",  # imports done, the runtime up (`backend_start`)
+    "base_built": r"INFO lora_trainer\.train: built the ",  # placeholders: the weights are read after the step begins compiling
     "base_loaded": r"INFO lora_trainer\.train: loaded the ",
     "step_preloaded": r"loaded the train step compiled earlier",  # `step_preload`, on its thread
     "lora_added": r"added LoRA ",
@@ -843,7 +844,6 @@ def step_profile(work: Path, shape: str = "1b", layers: int = 8, micro: int = 4,
     import tempfile
 
     import jax
-    import jax.numpy as jnp
 
     from lora_trainer import train
     from lora_trainer.config import QuantizationSpec
@@ -854,10 +854,12 @@ def step_profile(work: Path, shape: str = "1b", layers: int = 8, micro: int = 4,
                                      quantization=quantization)
     compile_seconds = _timed_step(trainer, [batch])
     seconds = statistics.median(_timed_step(trainer, [batch] * queued) / queued for _ in range(5))
-    inputs = trainer._prepare_inputs({k: jnp.asarray(v) for k, v in batch.items()})
-    hlo = trainer.train_step.lower(inputs).compile().as_text()
+    # The inputs as `train` hands them to the step (placed on the mesh): lowered for other placements,
+    # the step compiles anew, and its fusions are named otherwise than the traced program's.
+    hlo = trainer.train_step.lower(trainer.step_inputs(dict(batch))).compile().as_text()
     kinds = hlo_kinds(hlo, 16, SHAPES[shape].get("vocab_size", COMMON["vocab_size"]))
     trace_dir = Path(tempfile.mkdtemp(prefix="step-profile-", dir=work))  # kept: open it in Perfetto for the timeline
+    (trace_dir / "train_step.hlo.txt").write_text(hlo)
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for _ in range(steps):
             _timed_step(trainer, [batch] * queued)
