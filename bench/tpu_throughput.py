@@ -888,7 +888,7 @@ def step_profile(work: Path, shape: str = "1b", layers: int = 8, micro: int = 4,
               "device_ms_per_step": sum(by_kind.values()), "busy_ms": device_lines, "ops_matched": len(ops),
               "events": len(events), "trace": str(trace), "by_kind_ms": dict(by_kind.most_common(30)),
               "top_ops_ms": [(n, round(t, 3), *kinds[n]) for n, t in by_op.most_common(40)],
-              "unnamed_ms": [(n, round(t, 3)) for n, t in unnamed.most_common(15)]}
+              "unnamed_ms": [(n, round(t, 3)) for n, t in unnamed.most_common(15)], "unnamed_total_ms": sum(unnamed.values())}
     if not ops:  # names that did not match the HLO: show what the trace calls its events
         names = collections.Counter(e.get("name") for e in events if e.get("ph") == "X")
         result["trace_names"] = names.most_common(40)
