@@ -306,7 +306,7 @@ def _summary(run: dict[str, Any], case: str) -> dict[str, Any]:
     plain = [gaps[s] for s in gaps if (s - 1) % CHECKPOINT_EVERY]
     out: dict[str, Any] = {
         "exit": run["code"],
-        "load": _seconds(r"loaded the .* in ([\d.]+)s", text),
+        "load": _seconds(r"INFO lora_trainer\.train: loaded the .* in ([\d.]+)s", text),  # the base (not step_preload's line)
         "lora": _seconds(r"added LoRA .* in ([\d.]+)s", text),
         "first_step": float(first.group(2)) if first else None,
         "start_to_first_step": first_at,
