@@ -3,7 +3,9 @@ holds what a model loaded whole holds, placed the same; and a run trains the wei
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 from pathlib import Path
 
 import jax
@@ -56,6 +58,25 @@ def test_read_into_places_what_a_whole_load_places(tmp_path, scan):
         np.testing.assert_array_equal(np.asarray(value), np.asarray(want), err_msg=path)
     # updated in place: a train step built on the variables before the read sees the values
     assert all(v is variables[p] for p, v in nnx.to_flat_state(nnx.state(late.model, FROZEN)))
+
+
+def test_each_placeholder_is_freed_before_its_stack_is_built(tmp_path, monkeypatch):
+    """The late read takes no more memory than the eager load's stacking: a stack's placeholder is
+    gone when its layers are stacked (else the chip holds it, the layers and the new stack at once)."""
+    source = make_tiny_hf_model("llama3", tmp_path / "llama3", seed=3, num_hidden_layers=3)
+    late = _with_lora(source, True, placeholders=True, mesh=distributed.make_mesh(MeshSpec()))
+    stacks = [weakref.ref(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(late.model, FROZEN)) if p[0] == "layer_stack"]
+    live_at_each_stacking: list[int] = []
+    stack_arrays = layer_stack.stack_arrays
+
+    def stacking(*arrays: jax.Array) -> jax.Array:
+        gc.collect()
+        live_at_each_stacking.append(sum(r() is not None for r in stacks))
+        return stack_arrays(*arrays)
+
+    monkeypatch.setattr(layer_stack, "stack_arrays", stacking)
+    late_weights.read_into(late.model, late)
+    assert live_at_each_stacking == list(range(len(stacks) - 1, -1, -1))
 
 
 def _rule(nnx_path: str) -> tuple[str, str, WeightRule]:

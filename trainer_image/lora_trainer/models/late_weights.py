@@ -77,7 +77,12 @@ def read_into(model: nnx.Module, loaded: LoadedModel) -> None:
     tensors = SafetensorsCheckpoint(loaded.local_dir)
     for path, sources in targets(set(held), entries).items():
         var = held[path]
-        placeholder = var.get_value()
+        value = var.get_value()
+        # The placeholder is freed before its values are read: a stack's layers and the new stack are
+        # then all the memory this weight takes at once, as when the eager load stacked it.
+        placeholder = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+        var.set_value(placeholder)
+        del value
         stacked = sources[0][0] is not None
         sharding = _layer_sharding(placeholder.sharding) if stacked else placeholder.sharding
         shape = tuple(placeholder.shape[1:] if stacked else placeholder.shape)
@@ -88,6 +93,7 @@ def read_into(model: nnx.Module, loaded: LoadedModel) -> None:
         if value.sharding != placeholder.sharding:  # P(None, None) made, P() kept (`_replicated_on`): relabelled, not copied
             value = jax.device_put(value, placeholder.sharding)
         if (value.shape, value.dtype, value.sharding) != (placeholder.shape, placeholder.dtype, placeholder.sharding):
-            raise AssertionError(f"{path} holds {placeholder.shape} {placeholder.dtype} {placeholder.sharding} but its tensors make {value.shape} {value.dtype} {value.sharding}")
+            raise AssertionError(f"{path} holds {placeholder.shape} {placeholder.dtype} {placeholder.sharding} "
+                                 f"but its tensors make {value.shape} {value.dtype} {value.sharding}")
         var.set_value(value)
     loaded.placeholders = False
