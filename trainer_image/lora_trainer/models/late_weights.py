@@ -15,7 +15,6 @@ QLoRA loads the base whole: its quantized weights are computed from the values.
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 
 import jax
@@ -26,8 +25,6 @@ from lora_trainer.models import layer_stack
 from lora_trainer.models.loading import LoadedModel
 from lora_trainer.models.mapping import WeightRule, expand_rules
 from lora_trainer.models.safetensors_io import SafetensorsCheckpoint
-
-log = logging.getLogger(__name__)
 
 
 def targets(held: set[str], entries: list[tuple[str, str, WeightRule]]) -> dict[str, list[tuple[int | None, str, WeightRule]]]:
