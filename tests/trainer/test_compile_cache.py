@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 
 import jax
+import jax.numpy as jnp
 import pytest
-from trainer_fixtures import cache_a_train_step, parse, train_config, trainer_log
+from trainer_fixtures import cache_a_train_step, parse, stand_in_train_step, train_config, trainer_log
 
 from lora_trainer import compile_cache, data, step_preload
 from lora_trainer.errors import Preempted
@@ -65,3 +67,17 @@ def test_the_cache_can_be_off_or_elsewhere(tmp_path) -> None:  # noqa: ANN001
     assert compile_cache.location(shared.training.compilation_cache, "gs://bkt/run") == "gs://bkt/jax-cache"
     default = parse({**off, "training": {**off["training"], "compilationCache": {}}})
     assert compile_cache.location(default.training.compilation_cache, "gs://bkt/run") == "gs://bkt/run/compilation-cache"
+
+
+def test_a_cache_copied_elsewhere_is_read_there(tmp_path) -> None:  # noqa: ANN001
+    """Entries are keyed by the program, not by where the cache lies (a moved project directory's
+    resume reads its train step instead of compiling it again)."""
+    cache_a_train_step(tmp_path / "here", 8)
+    shutil.copytree(tmp_path / "here", tmp_path / "moved")
+    before = jax.config.jax_persistent_cache_enable_xla_caches
+    jax.clear_caches()
+    with compile_cache.persistent(str(tmp_path / "moved")):
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.jit(stand_in_train_step).lower(jax.ShapeDtypeStruct((8, 8), jnp.float32)).compile()
+    assert sorted(os.listdir(tmp_path / "moved")) == sorted(os.listdir(tmp_path / "here"))  # read, nothing written anew
+    assert jax.config.jax_persistent_cache_enable_xla_caches == before

@@ -45,12 +45,19 @@ def location(spec: CompilationCacheSpec, output_uri: str) -> str | None:
 @contextlib.contextmanager
 def persistent(path: str | None) -> Iterator[None]:
     """Compile with the persistent cache at `path` (None: without one) for the duration, then put
-    back whatever the process had, so one process can run several trainings (tests, local mode)."""
-    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    back whatever the process had, so one process can run several trainings (tests, local mode).
+
+    JAX's own XLA caches beside it are off (`jax_persistent_cache_enable_xla_caches`): by default
+    JAX names a GPU autotuning directory under the cache in every program's compile options, which
+    are part of each entry's key. So the keys depended on where the cache lies: a cache copied or
+    moved (a local project directory moved, which a resume follows) was never read again. The
+    trainer compiles for TPU and CPU, where that directory is unused."""
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
+              jax.config.jax_persistent_cache_enable_xla_caches)
     if path == before[0]:
         yield
         return
-    _use(path, MIN_LOCAL_COMPILE_SECONDS if path and not storage.is_gcs(path) else MIN_COMPILE_SECONDS)
+    _use(path, MIN_LOCAL_COMPILE_SECONDS if path and not storage.is_gcs(path) else MIN_COMPILE_SECONDS, "")
     if path:
         log.info("compiled programs are cached in %s", path)
     try:
@@ -59,7 +66,8 @@ def persistent(path: str | None) -> Iterator[None]:
         _use(*before)
 
 
-def _use(path: str | None, min_seconds: float) -> None:
+def _use(path: str | None, min_seconds: float, xla_caches: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
+    jax.config.update("jax_persistent_cache_enable_xla_caches", xla_caches)
     compilation_cache.reset_cache()  # JAX opens its cache once per process; a new directory needs a reset
