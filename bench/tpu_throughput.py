@@ -40,6 +40,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -347,9 +348,21 @@ def _seconds(pattern: str, text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def run_case(case: str, work: Path, logs: Path, timeout: float, *, restart: bool = True) -> dict[str, Any]:
+#: `lora-trainer train` with `background.prompt_handoffs`' switch interval set to the first argument
+#: (the restart variants of `--restart-intervals`); the rest of the command line is the CLI's.
+_CLI_AT_INTERVAL = ("import sys; from lora_trainer import background; "
+                    "background.prompt_handoffs.__defaults__ = (float(sys.argv.pop(1)),); "
+                    "from lora_trainer.cli import main; sys.exit(main())")
+
+
+def run_case(case: str, work: Path, logs: Path, timeout: float, *, restart: bool = True,
+             intervals: tuple[float, ...] = ()) -> dict[str, Any]:
     """Run `case` (a cold start, preempted, then a warm restart); each process's log is written to `logs`
-    as it runs, so a command stopped at the device's time limit still brings back what ran."""
+    as it runs, so a command stopped at the device's time limit still brings back what ran.
+
+    `intervals`: the warm restart again, once for each GIL switch interval given to the start-up's
+    overlap (`background.prompt_handoffs`), each from its own copy of the preempted run's output
+    (checkpoint, compilation cache, tokenized data), on the same machine as the plain restart."""
     shape, *_ = CASES[case]
     model = write_checkpoint(shape, work / f"model-{shape}")
     data = write_dataset(work / "data.jsonl")
@@ -366,7 +379,18 @@ def run_case(case: str, work: Path, logs: Path, timeout: float, *, restart: bool
     cold = _run(argv, logs / f"{case}.log", timeout, sigterm_after=STEPS)
     result = {"case": case, "cold": _summary(cold, case)}
     if restart and cold["code"] == PREEMPTED:
+        variants = {}
+        for interval in intervals:  # copied before the plain restart trains on
+            copy = work / f"run-{case}-{interval * 1e3:g}ms"
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(out, copy)
+            variants[interval] = work / f"{case}-{interval * 1e3:g}ms.json"
+            variants[interval].write_text(json.dumps(train_config(case, model, data, copy, STEPS + 3)))
         result["warm"] = _summary(_run(argv, logs / f"{case}-warm.log", timeout), case)
+        for interval, variant_cfg in variants.items():
+            variant_argv = [sys.executable, "-c", _CLI_AT_INTERVAL, str(interval), "train", "--config", str(variant_cfg)]
+            result[f"warm_handoffs_{interval * 1e3:g}ms"] = _summary(
+                _run(variant_argv, logs / f"{case}-warm-{interval * 1e3:g}ms.log", timeout), case)
     return result
 
 
@@ -936,6 +960,8 @@ def main() -> None:
     p.add_argument("--cases", default="1b-lora,3b-lora,8b-qlora,1b-qlora,1b-full-ft")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per trainer process")
     p.add_argument("--no-restart", action="store_true", help="skip each case's warm-cache restart")
+    p.add_argument("--restart-intervals", default="", help="comma-separated GIL switch intervals (s): the warm restart "
+                   "again at each, from a copy of the preempted run (background.prompt_handoffs)")
     p.add_argument("--check", action="store_true", help="first compare the splash kernel with the XLA attention")
     p.add_argument("--write", action="store_true", help="rewrite the TPU section of docs/benchmarks.md")
     p.add_argument("--study", action="store_true", help="first time the step's variants on a 4-layer 1B (STUDY)")
@@ -965,7 +991,8 @@ def main() -> None:
             results.append({name: STUDIES[name](args.work)})
             (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     for case in filter(None, args.cases.split(",")):
-        results.append(run_case(case, args.work, args.out, args.timeout, restart=not args.no_restart))
+        intervals = tuple(float(x) for x in args.restart_intervals.split(",") if x)
+        results.append(run_case(case, args.work, args.out, args.timeout, restart=not args.no_restart, intervals=intervals))
         print(json.dumps(results[-1], default=str)[:3000], flush=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(table(results))
