@@ -379,18 +379,18 @@ def run_case(case: str, work: Path, logs: Path, timeout: float, *, restart: bool
     cold = _run(argv, logs / f"{case}.log", timeout, sigterm_after=STEPS)
     result = {"case": case, "cold": _summary(cold, case)}
     if restart and cold["code"] == PREEMPTED:
-        variants = {}
+        variants = {}  # label -> the CLI's command line for that interval
         for interval in intervals:  # copied before the plain restart trains on
-            copy = work / f"run-{case}-{interval * 1e3:g}ms"
+            label = f"{interval * 1e3:g}ms"
+            copy = work / f"run-{case}-{label}"
             shutil.rmtree(copy, ignore_errors=True)
             shutil.copytree(out, copy)
-            variants[interval] = work / f"{case}-{interval * 1e3:g}ms.json"
-            variants[interval].write_text(json.dumps(train_config(case, model, data, copy, STEPS + 3)))
+            variant_cfg = work / f"{case}-{label}.json"
+            variant_cfg.write_text(json.dumps(train_config(case, model, data, copy, STEPS + 3)))
+            variants[label] = [sys.executable, "-c", _CLI_AT_INTERVAL, str(interval), "train", "--config", str(variant_cfg)]
         result["warm"] = _summary(_run(argv, logs / f"{case}-warm.log", timeout), case)
-        for interval, variant_cfg in variants.items():
-            variant_argv = [sys.executable, "-c", _CLI_AT_INTERVAL, str(interval), "train", "--config", str(variant_cfg)]
-            result[f"warm_handoffs_{interval * 1e3:g}ms"] = _summary(
-                _run(variant_argv, logs / f"{case}-warm-{interval * 1e3:g}ms.log", timeout), case)
+        for label, variant_argv in variants.items():
+            result[f"warm_handoffs_{label}"] = _summary(_run(variant_argv, logs / f"{case}-warm-{label}.log", timeout), case)
     return result
 
 

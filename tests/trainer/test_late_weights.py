@@ -69,10 +69,10 @@ def test_each_placeholder_is_freed_before_its_stack_is_built(tmp_path, monkeypat
     live_at_each_stacking: list[int] = []
     stack_arrays = layer_stack.stack_arrays
 
-    def stacking(*arrays: jax.Array) -> jax.Array:
+    def stacking(*arrays: jax.Array, **placement: jax.sharding.Sharding) -> jax.Array:
         gc.collect()
         live_at_each_stacking.append(sum(r() is not None for r in stacks))
-        return stack_arrays(*arrays)
+        return stack_arrays(*arrays, **placement)
 
     monkeypatch.setattr(layer_stack, "stack_arrays", stacking)
     late_weights.read_into(late.model, late)

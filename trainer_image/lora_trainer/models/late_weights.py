@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from lora_trainer.models import layer_stack
-from lora_trainer.models.loading import LoadedModel
+from lora_trainer.models.loading import LoadedModel, placed
 from lora_trainer.models.mapping import WeightRule, expand_rules
 from lora_trainer.models.safetensors_io import SafetensorsCheckpoint
 
@@ -49,11 +49,6 @@ def targets(held: set[str], entries: list[tuple[str, str, WeightRule]]) -> dict[
         if layers != [None] and sorted(layers, key=lambda i: -1 if i is None else i) != list(range(len(layers))):
             raise AssertionError(f"{path} is filled from {[k for _, k, _ in sources]}: one tensor, or one per layer of a stack")
     return dict(found)
-
-
-def _placed(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-    """A host array placed as `sharding` says: each process puts only its own shards (multi-host safe)."""
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _layer_sharding(stack: jax.sharding.Sharding) -> jax.sharding.Sharding:
@@ -83,12 +78,10 @@ def read_into(model: nnx.Module, loaded: LoadedModel) -> None:
         stacked = sources[0][0] is not None
         sharding = _layer_sharding(placeholder.sharding) if stacked else placeholder.sharding
         shape = tuple(placeholder.shape[1:] if stacked else placeholder.shape)
-        arrays = [_placed(np.asarray(rule.to_nnx(tensors.get(hf_key), shape)).astype(placeholder.dtype, copy=False), sharding)
+        arrays = [placed(np.asarray(rule.to_nnx(tensors.get(hf_key), shape)).astype(placeholder.dtype, copy=False), sharding)
                   for _, hf_key, rule in sorted(sources, key=lambda s: s[0] or 0)]
-        value = layer_stack.stack_arrays(*arrays) if stacked else arrays[0]
+        value = layer_stack.stack_arrays(*arrays, sharding=placeholder.sharding) if stacked else arrays[0]
         del arrays
-        if value.sharding != placeholder.sharding:  # P(None, None) made, P() kept (`_replicated_on`): relabelled, not copied
-            value = jax.device_put(value, placeholder.sharding)
         if (value.shape, value.dtype, value.sharding) != (placeholder.shape, placeholder.dtype, placeholder.sharding):
             raise AssertionError(f"{path} holds {placeholder.shape} {placeholder.dtype} {placeholder.sharding} "
                                  f"but its tensors make {value.shape} {value.dtype} {value.sharding}")

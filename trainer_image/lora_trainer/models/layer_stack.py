@@ -195,17 +195,18 @@ def _signature(layer: nnx.Module) -> tuple[Any, ...]:
     return graphdef, jax.tree.map(lambda a: (a.shape, a.dtype), state)
 
 
-def stack_arrays(*leaves: Any) -> Any:
-    """One weight's per-layer arrays as one [layers, ...] array, placed as they were plus the unsplit layer axis."""
-    sharding = getattr(leaves[0], "sharding", None)
-    out = None
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+def stack_arrays(*leaves: Any, sharding: jax.sharding.Sharding | None = None) -> Any:
+    """One weight's per-layer arrays as one [layers, ...] array, placed as `sharding` says, or else
+    as they were plus the unsplit layer axis."""
+    out = sharding
+    placed = getattr(leaves[0], "sharding", None)
+    if out is None and isinstance(placed, jax.sharding.NamedSharding):
+        out = jax.sharding.NamedSharding(placed.mesh, jax.sharding.PartitionSpec(None, *placed.spec))
     return _stacker(out)(*leaves)
 
 
 @functools.cache
-def _stacker(out: jax.sharding.NamedSharding | None) -> Callable[..., jax.Array]:
+def _stacker(out: jax.sharding.Sharding | None) -> Callable[..., jax.Array]:
     """`jnp.stack` compiled for one placement (cached: a model has a few weight shapes and placements)."""
     return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=out)
 

@@ -189,7 +189,7 @@ def _load_weight(
         return jax.device_put(array, host_device())
     if mesh is not None:
         sharding = jax.sharding.NamedSharding(mesh, spec)
-        return jnp.zeros(shape, DTYPES[dtype], device=sharding) if array is None else _on_mesh(array, sharding)
+        return jnp.zeros(shape, DTYPES[dtype], device=sharding) if array is None else placed(array, sharding)
     return jnp.zeros(shape, DTYPES[dtype]) if array is None else jnp.asarray(array)
 
 
@@ -205,7 +205,7 @@ def _log_unused(family: FamilySpec, hf_config: Mapping[str, Any], tensors: Safet
         log.warning("ignoring %d checkpoint tensors the %s model does not use: %s", len(unused), family.name, unused[:8])
 
 
-def _on_mesh(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+def placed(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """A host array as a global array: each process puts only its addressable shards on its devices (multi-host safe)."""
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
@@ -218,7 +218,7 @@ def _leaf_on_mesh(leaf: Any, names: tuple[Any, ...], mesh: jax.sharding.Mesh) ->
         return jax.random.wrap_key_data(_leaf_on_mesh(jax.random.key_data(leaf), names, mesh), impl=jax.random.key_impl(leaf))
     axes = [n if n is not None and n in mesh.shape and dim % mesh.shape[n] == 0 else None
             for dim, n in zip(leaf.shape, tuple(names) + (None,) * (leaf.ndim - len(names)))]
-    return _on_mesh(np.asarray(leaf), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes)))
+    return placed(np.asarray(leaf), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes)))
 
 
 def place_on_mesh(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
