@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextvars
 import datetime
+import io
 import itertools
 import json
 import logging
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -261,6 +263,7 @@ class Harness:
         self.url = ""
         self._operator: threading.Thread | None = None
         self._stop: threading.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._processes: list[OperatorProcess] = []
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -330,9 +333,13 @@ class Harness:
         self._stop, ready = threading.Event(), threading.Event()
         self._failure: BaseException | None = None
 
+        async def operator() -> None:
+            self._loop = asyncio.get_running_loop()
+            await operate(settings, kube, registry, stop_flag=self._stop, ready_flag=ready, metrics=metrics)
+
         def run() -> None:
             try:
-                asyncio.run(operate(settings, kube, registry, stop_flag=self._stop, ready_flag=ready, metrics=metrics))
+                asyncio.run(operator())
             except BaseException as e:  # reported by stop_operator
                 self._failure = e
 
@@ -387,9 +394,22 @@ class Harness:
         self._stop.set()
         await asyncio.to_thread(thread.join, 30)
         if thread.is_alive():
-            raise AssertionError("the operator did not stop within 30s of its stop flag")
+            raise AssertionError(f"the operator did not stop within 30s of its stop flag; what it was doing:\n{self._operator_state()}")
         if self._failure is not None and not isinstance(self._failure, asyncio.CancelledError):
             raise self._failure
+
+    def _operator_state(self) -> str:
+        """The stack of every thread and every task left in the operator's loop: what a stop that
+        never ends is waiting for (a task that ignores its cancellation, or an executor thread that
+        asyncio.run's shutdown joins)."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = [f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}"
+                 for ident, frame in sys._current_frames().items()]
+        if self._loop is not None:
+            for task in asyncio.all_tasks(self._loop):
+                task.print_stack(file=(out := io.StringIO()))
+                parts.append(out.getvalue())
+        return "\n".join(parts)
 
     # --- observation ----------------------------------------------------------------------
 
