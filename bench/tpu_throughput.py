@@ -271,6 +271,8 @@ TIMELINE = {
     "base_built": r"INFO lora_trainer\.train: built the ",  # placeholders: the weights are read after the step begins compiling
     "base_loaded": r"INFO lora_trainer\.train: loaded the ",
     "step_preloaded": r"loaded the train step compiled earlier",  # `step_preload`, on its thread
+    "step_record_loaded": r"loaded the compiled train step ",  # `step_record`, the run's own step, on its thread
+    "step_record_taken": r"not traced again",  # the compile-ahead thread took it: no trace, no lowering
     "lora_added": r"added LoRA ",
     "step_traced": r"Finished tracing _train_step ",  # the compile-ahead thread
     "step_lowered": r"Finished jaxpr to MLIR module conversion jit\(_train_step\)",
@@ -356,13 +358,15 @@ _CLI_AT_INTERVAL = ("import sys; from lora_trainer import background; "
 
 
 def run_case(case: str, work: Path, logs: Path, timeout: float, *, restart: bool = True,
-             intervals: tuple[float, ...] = ()) -> dict[str, Any]:
+             intervals: tuple[float, ...] = (), traced: bool = False) -> dict[str, Any]:
     """Run `case` (a cold start, preempted, then a warm restart); each process's log is written to `logs`
     as it runs, so a command stopped at the device's time limit still brings back what ran.
 
-    `intervals`: the warm restart again, once for each GIL switch interval given to the start-up's
-    overlap (`background.prompt_handoffs`), each from its own copy of the preempted run's output
-    (checkpoint, compilation cache, tokenized data), on the same machine as the plain restart."""
+    Variants of the warm restart, each from its own copy of the preempted run's output (checkpoint,
+    compilation cache, tokenized data), on the same machine as the plain restart:
+    `intervals`: once for each GIL switch interval given to the start-up's overlap
+    (`background.prompt_handoffs`); `traced`: once without the run's step record, so the step is
+    traced and lowered to find JAX's cache entry, as before `step_record`."""
     shape, *_ = CASES[case]
     model = write_checkpoint(shape, work / f"model-{shape}")
     data = write_dataset(work / "data.jsonl")
@@ -379,18 +383,30 @@ def run_case(case: str, work: Path, logs: Path, timeout: float, *, restart: bool
     cold = _run(argv, logs / f"{case}.log", timeout, sigterm_after=STEPS)
     result = {"case": case, "cold": _summary(cold, case)}
     if restart and cold["code"] == PREEMPTED:
-        variants = {}  # label -> the CLI's command line for that interval
-        for interval in intervals:  # copied before the plain restart trains on
-            label = f"{interval * 1e3:g}ms"
+
+        def copied(label: str) -> Path:
+            """The preempted run copied (before the plain restart trains on), and its config."""
             copy = work / f"run-{case}-{label}"
             shutil.rmtree(copy, ignore_errors=True)
             shutil.copytree(out, copy)
             variant_cfg = work / f"{case}-{label}.json"
             variant_cfg.write_text(json.dumps(train_config(case, model, data, copy, STEPS + 3)))
-            variants[label] = [sys.executable, "-c", _CLI_AT_INTERVAL, str(interval), "train", "--config", str(variant_cfg)]
+            return variant_cfg
+
+        variants = {}  # label -> the CLI's command line for that variant
+        for interval in intervals:
+            label = f"handoffs_{interval * 1e3:g}ms"
+            variants[label] = [sys.executable, "-c", _CLI_AT_INTERVAL, str(interval), "train", "--config", str(copied(label))]
+        if traced:
+            from lora_trainer import step_record  # imports JAX, which this process leaves alone otherwise
+
+            variant_cfg = copied("traced")
+            for record in (work / f"run-{case}-traced" / "compilation-cache").glob(step_record.RECORDS):
+                record.unlink()
+            variants["traced"] = [*argv[:-1], str(variant_cfg)]
         result["warm"] = _summary(_run(argv, logs / f"{case}-warm.log", timeout), case)
         for label, variant_argv in variants.items():
-            result[f"warm_handoffs_{label}"] = _summary(_run(variant_argv, logs / f"{case}-warm-{label}.log", timeout), case)
+            result[f"warm_{label}"] = _summary(_run(variant_argv, logs / f"{case}-warm-{label}.log", timeout), case)
     return result
 
 
@@ -962,6 +978,8 @@ def main() -> None:
     p.add_argument("--no-restart", action="store_true", help="skip each case's warm-cache restart")
     p.add_argument("--restart-intervals", default="", help="comma-separated GIL switch intervals (s): the warm restart "
                    "again at each, from a copy of the preempted run (background.prompt_handoffs)")
+    p.add_argument("--restart-traced", action="store_true", help="the warm restart again from a copy of the preempted "
+                   "run without its step record: the step traced and lowered to find JAX's entry (step_record)")
     p.add_argument("--check", action="store_true", help="first compare the splash kernel with the XLA attention")
     p.add_argument("--write", action="store_true", help="rewrite the TPU section of docs/benchmarks.md")
     p.add_argument("--study", action="store_true", help="first time the step's variants on a 4-layer 1B (STUDY)")
@@ -992,7 +1010,8 @@ def main() -> None:
             (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     for case in filter(None, args.cases.split(",")):
         intervals = tuple(float(x) for x in args.restart_intervals.split(",") if x)
-        results.append(run_case(case, args.work, args.out, args.timeout, restart=not args.no_restart, intervals=intervals))
+        results.append(run_case(case, args.work, args.out, args.timeout, restart=not args.no_restart, intervals=intervals,
+                                traced=args.restart_traced))
         print(json.dumps(results[-1], default=str)[:3000], flush=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(table(results))

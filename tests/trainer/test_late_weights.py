@@ -116,9 +116,9 @@ def test_a_run_reads_the_weights_once_the_step_is_compiling_and_trains_on_them(t
     read: list[nnx.Module] = []
     compile_ahead, read_into = tunix_trainer.LoraPeftTrainer.compile_ahead, late_weights.read_into
 
-    def compiling(trainer: tunix_trainer.LoraPeftTrainer, micro_batch: dict[str, jax.Array]) -> None:
+    def compiling(trainer: tunix_trainer.LoraPeftTrainer, micro_batch: dict[str, jax.Array], records: object) -> None:
         events.append("compile ahead")
-        compile_ahead(trainer, micro_batch)
+        compile_ahead(trainer, micro_batch, records)
 
     def reading(model: nnx.Module, loaded: LoadedModel) -> None:
         events.append(f"read the weights, handing over every {sys.getswitchinterval() * 1e3:.1f} ms")

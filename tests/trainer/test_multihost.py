@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gcs_emulator import free_port
-from trainer_fixtures import finish, progress_lines, start_trainer, train_config, trainer_env, write_config
+from trainer_fixtures import finish, progress_lines, start_trainer, train_config, trainer_env, wait_for_step, write_config
 
 from lora_trainer import checkpoint, exit_codes
 from lora_trainer.config import MeshSpec
@@ -247,3 +248,24 @@ def test_scanned_layers_stack_across_two_processes_and_train_the_unrolled_adapte
     assert len(a) == 14 and a.keys() == b.keys()
     # float32 sums in another order (two processes, scanned layers) after 3 steps
     assert max(float(np.max(np.abs(a[m][n] - b[m][n]))) for m in a for n in a[m]) <= 2e-6
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_run_compiles_its_step_once_and_its_restart_not_at_all(tmp_path):
+    """The step returns each carried array where it came in (`tunix_trainer._placed_as`): XLA had
+    returned LoRA factors passed replicated split over `tp`, and the second step compiled again for
+    them. A restart then calls the step the run kept (`step_record`), compiling nothing, in a new
+    process of two devices, and trains on to the end."""
+    cfg = write_config(tmp_path / "tp.json", train_config(tmp_path, str(tmp_path / "out"), steps=8, checkpointEvery=4, mesh={"tp": 2}))
+    env = {"JAX_NUM_CPU_DEVICES": "2", "JAX_PLATFORMS": "cpu", "JAX_LOG_COMPILES": "1"}
+    proc = start_trainer(cfg, tmp_path / "first.log", **env)
+    wait_for_step(proc, tmp_path / "first.log", 2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == exit_codes.PREEMPTED, (tmp_path / "first.log").read_text()[-3000:]
+    proc = start_trainer(cfg, tmp_path / "restart.log", **env)
+    finish([proc], timeout=300)
+    first, restart = ((tmp_path / f"{n}.log").read_text() for n in ("first", "restart"))
+    assert proc.returncode == exit_codes.OK, restart[-3000:]
+    assert first.count("Finished XLA compilation of jit(_train_step)") == 1, first[-3000:]
+    assert "not traced again" in restart and "compilation of jit(_train_step)" not in restart, restart[-3000:]
+    assert progress_lines(tmp_path / "restart.log")[-1]["step"] == 8

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from lora_trainer import backend_start, checkpoint, compile_cache, data, distributed, schedule, storage, trainer_logging, tunix_trainer
+from lora_trainer import backend_start, checkpoint, compile_cache, data, distributed, schedule, step_record, storage, trainer_logging, tunix_trainer
 from lora_trainer import metrics as mfu_metrics
 from lora_trainer.async_saves import AsyncSaves
 from lora_trainer.background import in_background, prompt_handoffs
@@ -254,7 +254,7 @@ class _Run:
         # thread, the checkpoint read on another, the base's weights read on this one. The last two
         # are mostly native work, each waiting for the interpreter between its calls (`prompt_handoffs`).
         with prompt_handoffs():
-            trainer.compile_ahead(tunix_trainer.on_mesh(batches.stream.peek(), self.mesh))
+            trainer.compile_ahead(tunix_trainer.on_mesh(batches.stream.peek(), self.mesh), self._records(loaded))
             restoring = None if resume_step is None else self._restoring(store, trainer, resume_step)
             if loaded.placeholders:
                 self._read_weights(loaded)
@@ -271,6 +271,16 @@ class _Run:
         sink.close()
         store.close()
         return result
+
+    def _records(self, loaded: LoadedModel) -> step_record.Records | None:
+        """Where the train step is kept for a restart to call without tracing it: the run's own
+        compilation cache. Not a cache shared between runs (`compilationCache.uri`): the records are
+        pickles, trusted only where the run alone writes, and each run's write would remove another's."""
+        spec = self.cfg.training.compilation_cache
+        cache = compile_cache.location(spec, self.cfg.output.uri)
+        if cache is None or spec.uri is not None:
+            return None
+        return step_record.Records(cache, step_record.run_description(self.cfg, loaded.hf_config, self.kernel), write=self.primary)
 
     def _load_base(self) -> LoadedModel:
         """The base model on the mesh, and the checkpoint metadata that says what this run trains.

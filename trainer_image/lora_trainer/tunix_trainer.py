@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -23,12 +24,14 @@ from flax.nnx import variablelib
 from jax.interpreters import pxla
 from tunix.sft import inflight_throttler, peft_trainer, sharding_utils
 
-from lora_trainer import schedule, step_preload
+from lora_trainer import schedule, step_preload, step_record
 from lora_trainer.background import in_background
 from lora_trainer.config import TrainingSpec
 from lora_trainer.errors import UserError
 from lora_trainer.loss import lm_loss, model_inputs
 from lora_trainer.lora_provider import no_lora_dropout
+
+log = logging.getLogger(__name__)
 
 _REPLICATED = jax.sharding.PartitionSpec()
 #: How every batch array is split: its rows over the mesh's data and fsdp axes together.
@@ -49,9 +52,11 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
     def _post_process_train_step(self, aux: Any) -> None:
         self.train_aux.append(aux)
 
-    def compile_ahead(self, micro_batch: dict[str, jax.Array]) -> None:
+    def compile_ahead(self, micro_batch: dict[str, jax.Array], records: step_record.Records | None = None) -> None:
         """Trace the train step for `micro_batch`'s shapes and compile it (or read it from the
-        persistent compilation cache) on a thread; `train` waits for it.
+        persistent compilation cache) on a thread; `train` waits for it. With `records`, a step
+        kept by an earlier start of the run is called instead, neither traced nor lowered
+        (`step_record`), and a step compiled here is kept for the next.
 
         A restart read the step from the cache only at its first step: on a v5e chip, tracing
         and 6.9 s of loading, after the checkpoint's restore. Ahead, they overlap the restore.
@@ -60,13 +65,16 @@ class LoraPeftTrainer(peft_trainer.PeftTrainer):
         The thread enters the caller's legacy mesh and context variables, which tracing reads.
         """
         self.jit_train_and_eval_step()  # on this thread: the optimizer is placed before anything restores into it
-        abstract = jax.tree.map(_abstract, self.train_step.arguments(self.step_inputs(micro_batch)))
+        arguments = self.train_step.arguments(self.step_inputs(micro_batch))
+        abstract = jax.tree.map(_abstract, arguments)
+        layouts = [x.format.layout if isinstance(x, jax.Array) else None for x in jax.tree.leaves(arguments)]
+        del arguments  # the placeholders are freed as their weights are read (`late_weights`)
         mesh, context = pxla.thread_resources.env.physical_mesh, contextvars.copy_context()
 
         def compile_step() -> None:
             try:
                 with contextlib.nullcontext() if mesh.empty else mesh:
-                    context.run(lambda: self.train_step.jitted_fn.lower(*abstract).compile())
+                    context.run(lambda: self.train_step.compile(abstract, layouts, records))
             finally:
                 step_preload.release()  # JAX has read the step: a program loaded ahead and not taken was a wrong guess
 
@@ -178,6 +186,8 @@ class StateStep:
         self._raw = all(map(_raw_access, self._frozen + self._carried))
         frozen_def = jax.tree.structure(nnx.as_pure(frozen_state))
         carried_def = jax.tree.structure(nnx.as_pure(carried_state))
+        #: Where each carried array lies when the step is first traced: the step returns it there.
+        self._placements: list[Any] | None = None
 
         def step(frozen_values: list[jax.Array], carried_values: list[jax.Array], inputs: Any) -> tuple[list[jax.Array], Any]:
             frozen_in = jax.tree.unflatten(frozen_def, frozen_values)
@@ -186,11 +196,38 @@ class StateStep:
             _, frozen_out, carried_out = nnx.split(nodes_in, frozen, ...)
             if any(a is not b for a, b in zip(jax.tree.leaves(nnx.as_pure(frozen_out)), frozen_values, strict=True)):
                 raise RuntimeError(f"{step.__name__} wrote a frozen base weight; only the trained variables are kept")
-            return jax.tree.leaves(nnx.as_pure(carried_out)), outputs
+            carried = jax.tree.leaves(nnx.as_pure(carried_out))
+            return [_placed_as(x, where) for x, where in zip(carried, self._placements or [None] * len(carried), strict=True)], outputs
 
         step.__name__ = step.__qualname__ = body.__name__  # XLA's module and cache names
         self.jitted_fn = jax.jit(step, donate_argnums=1)
+        #: A program kept by an earlier start of the run (`compile`), called in place of `jitted_fn`.
+        self.compiled: jax.stages.Compiled | None = None
+        self._unchecked = False
         self._releases = _Releases()
+
+    def compile(self, arguments: tuple[Any, ...], layouts: list[Any], records: step_record.Records | None = None) -> None:
+        """Compile the step for `arguments` (abstract arrays with their shardings; `layouts`, those of
+        the arrays they stand for), or read it from JAX's persistent cache, so that the first call
+        runs it. With `records`: the program kept under the same fingerprint if there is one (called
+        as it is, neither traced nor lowered), else compiled here and then kept if this process
+        writes and the program takes the arrays as they lie (`step_record.mismatch`)."""
+        self._placements = [x.sharding for x in arguments[1]]
+        key = None
+        if records is not None:
+            traced_from = {**records.traced_from, "step": self.jitted_fn.__name__, "environment": step_record.environment()}
+            key = step_record.fingerprint(arguments, traced_from)
+            self.compiled = step_record.take(records.cache, key, arguments, layouts)
+            self._unchecked = self.compiled is not None
+            if self.compiled is not None:
+                return
+        compiled = self.jitted_fn.lower(*arguments).compile()
+        if key is None or records is None or not records.write:
+            return
+        if (problem := step_record.mismatch(compiled, arguments, layouts)) is None:
+            step_record.keep(records.cache, key, compiled)
+        else:
+            log.info("the train step is not kept for a restart, which would not call it as compiled (%s)", problem)
 
     def arguments(self, inputs: Any) -> tuple[list[Any], list[Any], Any]:
         """What a call for `inputs` passes the jitted step: the frozen and carried arrays, and `inputs`."""
@@ -200,7 +237,15 @@ class StateStep:
 
     def __call__(self, inputs: Any) -> Any:
         frozen, donated, inputs = self.arguments(inputs)
-        carried, outputs = self.jitted_fn(frozen, donated, inputs)
+        if self._placements is None:  # traced at this call: the carried arrays stay where they are now
+            self._placements = [x.sharding for x in donated]
+        if self._unchecked:
+            self._unchecked = False
+            if (problem := step_record.mismatch(self.compiled, (frozen, donated, inputs))) is not None:
+                log.warning("the train step compiled earlier does not take this run's arrays (%s); it is traced and "
+                            "compiled again", problem)
+                self.compiled = None
+        carried, outputs = (self.jitted_fn if self.compiled is None else self.compiled)(frozen, donated, inputs)
         for variable, value in zip(self._carried, carried, strict=True):
             if self._raw:
                 variable.set_raw_value(value)
@@ -241,6 +286,16 @@ def _abstract(x: Any) -> Any:
     if not isinstance(x, jax.Array):
         return x
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+
+
+def _placed_as(x: jax.Array, sharding: Any) -> jax.Array:
+    """`x` (traced) constrained to `sharding` when that names a mesh: a carried array returned where it
+    came in. Else XLA places it as it sees fit: with tensor parallelism, LoRA factors passed replicated
+    came back split over `tp`, so the second call, on other placements, compiled the step again (the
+    program kept by `compile` refused them)."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return x
 
 
 def _raw_access(variable: nnx.Variable) -> bool:
@@ -307,9 +362,10 @@ def on_mesh(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, 
 def compiled_memory(trainer: LoraPeftTrainer, micro_batch: dict[str, jax.Array]) -> str | None:
     """What the compiled train step needs on each device, as XLA planned it: arguments, outputs
     and temporaries (device memory statistics miss the temporaries between steps). None where the
-    backend reports nothing (CPU). The step is already compiled: this reads JAX's cached program.
+    backend reports nothing (CPU). The step is already compiled: this reads its program.
     """
-    stats = trainer.train_step.lower(trainer.step_inputs(micro_batch)).compile().memory_analysis()
+    compiled = trainer.train_step.compiled or trainer.train_step.lower(trainer.step_inputs(micro_batch)).compile()
+    stats = compiled.memory_analysis()
     if stats is None or not stats.temp_size_in_bytes:
         return None
     gib = 2.0**30
