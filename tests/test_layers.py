@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("trainer lora", {"lora_trainer.lora", "lora_trainer.tunix_trainer", "lora_trainer.lora_provider", "lora_trainer.loss"}),
     ("trainer parts", {"lora_trainer.models", "lora_trainer.data", "lora_trainer.checkpoint", "lora_trainer.checkpoint_metadata",
                        "lora_trainer.progress", "lora_trainer.stop", "lora_trainer.schedule", "lora_trainer.distributed",
-                       "lora_trainer.compile_cache", "lora_trainer.metrics", "lora_trainer.host_memory",
+                       "lora_trainer.compile_cache", "lora_trainer.step_record", "lora_trainer.metrics", "lora_trainer.host_memory",
                        "lora_trainer.tiny_models", "lora_trainer.accumulating_dot", "lora_trainer.cross_entropy", "lora_trainer.fused_head",
                        "lora_trainer.quantized_product", "lora_trainer.token_cache"}),
     ("trainer config", {"lora_trainer.config", "lora_trainer.storage", "lora_trainer.storage_faults", "lora_trainer.progress_record",

@@ -159,8 +159,7 @@ def test_a_cache_keeps_one_record_and_leaves_jax_s_entries(tmp_path: Path) -> No
     assert step_record.newest(str(tmp_path)).name == step_record.record_name("k2")
 
 
-def test_a_restart_loads_the_kept_step_ahead_instead_of_jax_s_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_a_restart_loads_the_kept_step_ahead_instead_of_jax_s_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """At start (`backend_start`), the record the run kept is loaded on a thread and `take` hands it
     over; JAX's newest entry is loaded ahead only for a cache without a record."""
     raw = train_config(tmp_path, str(tmp_path / "out"), steps=1)
@@ -179,10 +178,11 @@ def test_a_restart_loads_the_kept_step_ahead_instead_of_jax_s_entry(tmp_path: Pa
     backend_start.ready()
     assert started == [str(cache)]  # not again
     assert list(step_record._ahead) == [step_record.record_name("k1")]
-    with trainer_log(caplog, "lora_trainer.step_record"):
-        assert step_record.take(str(cache), "k1", _arguments()) is not None
-    assert caplog.text.count("loaded the compiled train step") == 1  # the load ahead, not a second read
-    assert not step_record._ahead
+    step_record._ahead[step_record.record_name("k1")].result(timeout=60)
+    reads: list[str] = []
+    monkeypatch.setattr(step_record, "load", reads.append)
+    assert step_record.take(str(cache), "k1", _arguments()) is not None
+    assert not reads and not step_record._ahead  # the load ahead taken, not a second read
 
 
 def test_a_wrong_guess_loaded_ahead_is_dropped(tmp_path: Path) -> None:
