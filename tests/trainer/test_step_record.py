@@ -9,7 +9,6 @@ test_compile_cache (in one process) and test_resume (a new process each time, bi
 from __future__ import annotations
 
 import json
-import logging
 import pickle
 import subprocess
 import sys
