@@ -384,24 +384,25 @@ def run_case(case: str, work: Path, logs: Path, timeout: float, *, restart: bool
     result = {"case": case, "cold": _summary(cold, case)}
     if restart and cold["code"] == PREEMPTED:
 
-        def copied(label: str) -> Path:
-            """The preempted run copied (before the plain restart trains on), and its config."""
+        def copied(label: str) -> tuple[Path, Path]:
+            """The preempted run copied (before the plain restart trains on), and the config training into the copy."""
             copy = work / f"run-{case}-{label}"
             shutil.rmtree(copy, ignore_errors=True)
             shutil.copytree(out, copy)
             variant_cfg = work / f"{case}-{label}.json"
             variant_cfg.write_text(json.dumps(train_config(case, model, data, copy, STEPS + 3)))
-            return variant_cfg
+            return copy, variant_cfg
 
         variants = {}  # label -> the CLI's command line for that variant
         for interval in intervals:
             label = f"handoffs_{interval * 1e3:g}ms"
-            variants[label] = [sys.executable, "-c", _CLI_AT_INTERVAL, str(interval), "train", "--config", str(copied(label))]
+            _, variant_cfg = copied(label)
+            variants[label] = [sys.executable, "-c", _CLI_AT_INTERVAL, str(interval), "train", "--config", str(variant_cfg)]
         if traced:
             from lora_trainer import step_record  # imports JAX, which this process leaves alone otherwise
 
-            variant_cfg = copied("traced")
-            for record in (work / f"run-{case}-traced" / "compilation-cache").glob(step_record.RECORDS):
+            copy, variant_cfg = copied("traced")
+            for record in (copy / "compilation-cache").glob(step_record.RECORDS):
                 record.unlink()
             variants["traced"] = [*argv[:-1], str(variant_cfg)]
         result["warm"] = _summary(_run(argv, logs / f"{case}-warm.log", timeout), case)

@@ -7,15 +7,13 @@ import logging
 import os
 import shutil
 import signal
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
-from trainer_fixtures import cache_a_train_step, parse, stand_in_train_step, train_config, trainer_log
+from trainer_fixtures import cache_a_train_step, kept_step, parse, stand_in_train_step, train_config, trainer_log
 
-from lora_trainer import compile_cache, data, step_preload, step_record
+from lora_trainer import compile_cache, data, step_preload
 from lora_trainer.errors import Preempted
 from lora_trainer.train import run_training
 
@@ -38,7 +36,7 @@ def test_a_run_restarted_after_a_preemption_loads_its_train_step_from_the_cache(
     assert jax.config.jax_compilation_cache_dir == before  # the process's own setting is back
     # Without the step the run kept (`step_record`: a trainer that kept none, or a record not written),
     # JAX's own entry is what a restart loads ahead.
-    _wait_for_record(cache).unlink()
+    (cache / kept_step(str(cache))).unlink()
 
     decoy_entry = cache_a_train_step(tmp_path / "decoy", 8)  # another program under the step's name: a wrong guess
     jax.clear_caches()  # as a new process after the preemption: nothing compiled in memory
@@ -61,16 +59,6 @@ def test_a_run_restarted_after_a_preemption_loads_its_train_step_from_the_cache(
     assert step_preload.taken(decoy.key, decoy.devices) is None  # dropped once the run's step was compiled
 
 
-def _wait_for_record(cache: Path, timeout: float = 60) -> Path:
-    """The step record in `cache`, once its write (on a thread) has landed."""
-    deadline = time.monotonic() + timeout
-    while not (records := list(cache.glob(step_record.RECORDS))):
-        assert time.monotonic() < deadline, f"no step record in {cache}"
-        time.sleep(0.05)
-    (record,) = records
-    return record
-
-
 @pytest.mark.slow
 def test_a_restart_calls_the_step_it_kept_without_tracing_it(tmp_path, monkeypatch, caplog) -> None:  # noqa: ANN001
     """The run keeps its compiled step under the fingerprint of what it was traced from; a restart
@@ -86,11 +74,11 @@ def test_a_restart_calls_the_step_it_kept_without_tracing_it(tmp_path, monkeypat
 
     with pytest.raises(Preempted):
         run_training(parse(raw), on_progress=preempt)
-    first = _wait_for_record(out / "compilation-cache")
+    first = kept_step(str(out / "compilation-cache"))
     jax.clear_caches()
     with caplog.at_level(logging.DEBUG, logger="jax._src.dispatch"), trainer_log(caplog, "lora_trainer.step_record"):
         assert run_training(parse(raw)).final_step == 4
-    assert f"the train step is the one compiled earlier ({first.name}): not traced again" in caplog.text
+    assert f"the train step is the one compiled earlier ({first}): not traced again" in caplog.text
     traced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished tracing")]
     assert traced and not [m for m in traced if "_train_step" in m], traced  # other programs were traced, the step not
 
@@ -101,10 +89,7 @@ def test_a_restart_calls_the_step_it_kept_without_tracing_it(tmp_path, monkeypat
         assert run_training(parse(raw)).final_step == 6
     assert "not traced again" not in caplog.text
     assert any("_train_step" in r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished tracing"))
-    deadline = time.monotonic() + 60
-    while first.exists() and time.monotonic() < deadline:  # the new record's write removes the old
-        time.sleep(0.05)
-    assert _wait_for_record(out / "compilation-cache").name != first.name
+    kept_step(str(out / "compilation-cache"), other_than=first)  # the new record's write removes the old
 
 
 @pytest.mark.slow

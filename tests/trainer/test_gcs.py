@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-from trainer_fixtures import arithmetic_rows, parse, train_config
+from trainer_fixtures import arithmetic_rows, kept_step, parse, train_config
 
 from lora_trainer import checkpoint, storage
 from lora_trainer.train import run_training
@@ -29,7 +28,7 @@ def test_train_and_resume_on_gcs(gcs_bucket, tmp_path, capsys):
     assert progress["step"] == 4 and progress["lastCheckpoint"] == f"{root}/4"  # named once it committed
     assert [json.loads(x)["step"] for x in storage.read_text(f"{run}/metrics.jsonl").splitlines()] == [1, 2, 3, 4]
     assert any(n.startswith("events.out.tfevents") for n in storage.listdir(f"{run}/tensorboard"))
-    kept = _records(f"{run}/compilation-cache")  # the compiled step kept for a restart (step_record), in the bucket
+    kept = kept_step(f"{run}/compilation-cache")  # the compiled step kept for a restart (step_record), in the bucket
     capsys.readouterr()
 
     # More steps with the same output: resumes from gs:// and continues.
@@ -41,16 +40,4 @@ def test_train_and_resume_on_gcs(gcs_bucket, tmp_path, capsys):
     tree, meta = checkpoint.read_lora(root)
     assert meta["step"] == 6 and len(tree) == 7
     # Six steps are another schedule, so another program: kept in place of the first.
-    deadline = time.monotonic() + 60
-    while (now := _records(f"{run}/compilation-cache")) == kept and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert len(now) == 1 and now != kept
-
-
-def _records(cache: str, timeout: float = 60) -> list[str]:
-    """The step records under `cache`, once there is one (they are written on a thread)."""
-    deadline = time.monotonic() + timeout
-    while not (names := [n for n in storage.listdir(cache) if n.endswith(".jaxstep")]):
-        assert time.monotonic() < deadline, f"no step record under {cache}: {storage.listdir(cache)}"
-        time.sleep(0.1)
-    return names
+    kept_step(f"{run}/compilation-cache", other_than=kept)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fnmatch
 import functools
 import json
 import logging
@@ -27,7 +28,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lora_trainer import compile_cache
+from lora_trainer import compile_cache, step_record, storage
 from lora_trainer.config import TrainConfig
 from lora_trainer.loss import lm_loss, model_inputs
 from lora_trainer.tiny_models import make_tiny_hf_model
@@ -68,6 +69,18 @@ def cache_a_train_step(cache: Path, width: int) -> str:
         jax.jit(stand_in_train_step).lower(jax.ShapeDtypeStruct((width, width), jnp.float32)).compile()
     (entry,) = {p for p in os.listdir(cache) if p.startswith("jit__train_step-")} - before
     return entry
+
+
+def kept_step(cache: str, other_than: str | None = None, timeout: float = 60) -> str:
+    """The name of the one step record in `cache` (local or gs://), once it has landed and is not
+    `other_than`: records are written on a thread, and a new one replaces the old."""
+    deadline = time.monotonic() + timeout
+    while True:
+        names = [n for n in storage.listdir(cache) if fnmatch.fnmatch(n, step_record.RECORDS)]
+        if len(names) == 1 and names[0] != other_than:
+            return names[0]
+        assert time.monotonic() < deadline, f"no step record other than {other_than} alone in {cache}: {names}"
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

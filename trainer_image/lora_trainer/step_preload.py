@@ -56,12 +56,17 @@ _lock = threading.Lock()
 _ahead: dict[str, Future[Loaded | None]] = {}
 
 
-def newest_train_step(cache: str) -> epath.Path | None:
-    """The train step most recently written to the compilation cache at `cache` (local or gs://), if any."""
-    entries = list(epath.Path(cache).glob(TRAIN_STEP_ENTRIES))
+def newest(cache: str, pattern: str) -> epath.Path | None:
+    """The file matching `pattern` most recently written to the cache at `cache` (local or gs://), if any."""
+    entries = list(epath.Path(cache).glob(pattern))
     if not entries:
         return None
     return max(entries, key=lambda entry: (entry.stat().mtime, entry.name))
+
+
+def newest_train_step(cache: str) -> epath.Path | None:
+    """The train step most recently written to JAX's compilation cache at `cache`, if any."""
+    return newest(cache, TRAIN_STEP_ENTRIES)
 
 
 def load(entry: epath.Path) -> Loaded:

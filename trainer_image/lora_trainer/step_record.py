@@ -45,7 +45,7 @@ from etils import epath
 from jax._src import config as jax_config  # trace_context: the configuration a trace depends on
 from jax.experimental import serialize_executable
 
-from lora_trainer import storage
+from lora_trainer import step_preload, storage
 from lora_trainer.background import in_background
 from lora_trainer.config import TrainConfig
 
@@ -169,18 +169,12 @@ def load(uri: str) -> jax.stages.Compiled:
     return compiled
 
 
-def newest(cache: str) -> epath.Path | None:
-    """The record most recently written to `cache`, if any."""
-    records = list(epath.Path(cache).glob(RECORDS))
-    return max(records, key=lambda r: (r.stat().mtime, r.name)) if records else None
-
-
 def preload(cache: str) -> bool:
     """Begin loading `cache`'s newest record on a thread (for `take`); False when there is none.
     Its load is slow native work (seconds for a 1B step on a v5e chip) that overlaps the start.
     A cache that cannot be listed is logged and left: the step is then traced as usual."""
     try:
-        record = newest(cache)
+        record = step_preload.newest(cache, RECORDS)
     except Exception as e:  # noqa: BLE001  (a head start only)
         log.info("did not look for a compiled train step in %s (%s: %s)", cache, type(e).__name__, e)
         return False
