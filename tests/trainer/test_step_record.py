@@ -8,8 +8,10 @@ test_compile_cache (in one process) and test_resume (a new process each time, bi
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +97,16 @@ def test_another_process_computes_the_same_environment() -> None:
     runs = [subprocess.run([sys.executable, "-c", code], env={**env, "TPU_WORKER_ID": str(i)}, capture_output=True,
                            text=True, timeout=120, check=True).stdout for i in range(2)]
     assert runs[0] == runs[1] and json.loads(runs[0])["trainer"]
+
+
+def test_the_environment_names_every_installed_distribution_and_its_version() -> None:
+    """Listed from the metadata folders' names, the distributions are those `importlib.metadata` parses."""
+    listed = step_record.environment()["distributions"]
+    for dist in importlib.metadata.distributions():
+        name, version = dist.metadata["Name"], dist.version
+        folder = f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}."
+        assert any(entry.lower().startswith(folder) or entry.lower().startswith(f"{name.lower()}-{version}.") for entry in listed), (name, version)
+    assert any(entry.startswith(f"jax-{jax.__version__}.") for entry in listed)
 
 
 def test_a_kept_step_is_taken_for_its_own_fingerprint_and_arguments(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
