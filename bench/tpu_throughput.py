@@ -269,6 +269,7 @@ def _compiles(text: str) -> dict[str, Any]:
 TIMELINE = {
     "run_began": r"compiled programs are cached in",  # imports done, the runtime up (`backend_start`)
     "base_built": r"INFO lora_trainer\.train: built the ",  # placeholders: the weights are read after the step begins compiling
+    "base_read_ahead": r"reading the base's weights ahead",  # `late_weights.read_ahead`: from here on a thread
     "base_loaded": r"INFO lora_trainer\.train: loaded the ",
     "step_preloaded": r"loaded the train step compiled earlier",  # `step_preload`, on its thread
     "step_record_loaded": r"loaded the compiled train step ",  # `step_record`, the run's own step, on its thread
@@ -314,6 +315,7 @@ def _summary(run: dict[str, Any], case: str) -> dict[str, Any]:
         "first_step": float(first.group(2)) if first else None,
         "start_to_first_step": first_at,
         "timeline": timeline(run["lines"]),
+        "phases": [line.strip() for _, line in run["lines"] if line.startswith("[t] ")] or None,  # `start_timeline.py`
         "memory": memory.group(1) if memory else None,
         "step_seconds": statistics.median(r["stepTimeSeconds"] for r in timed) if timed else None,
         "tokens_per_second": statistics.median(r["tokensPerSecond"] for r in timed) if timed else None,
@@ -358,7 +360,7 @@ _CLI_AT_INTERVAL = ("import sys; from lora_trainer import background; "
 
 
 def run_case(case: str, work: Path, logs: Path, timeout: float, *, restart: bool = True,
-             intervals: tuple[float, ...] = (), traced: bool = False) -> dict[str, Any]:
+             intervals: tuple[float, ...] = (), traced: bool = False, timed: bool = False) -> dict[str, Any]:
     """Run `case` (a cold start, preempted, then a warm restart); each process's log is written to `logs`
     as it runs, so a command stopped at the device's time limit still brings back what ran.
 
@@ -366,7 +368,8 @@ def run_case(case: str, work: Path, logs: Path, timeout: float, *, restart: bool
     compilation cache, tokenized data), on the same machine as the plain restart:
     `intervals`: once for each GIL switch interval given to the start-up's overlap
     (`background.prompt_handoffs`); `traced`: once without the run's step record, so the step is
-    traced and lowered to find JAX's cache entry, as before `step_record`."""
+    traced and lowered to find JAX's cache entry, as before `step_record`; `timed`: once with every
+    thread's start-up pieces timed (`start_timeline.py`, its lines under "phases")."""
     shape, *_ = CASES[case]
     model = write_checkpoint(shape, work / f"model-{shape}")
     data = write_dataset(work / "data.jsonl")
@@ -405,6 +408,9 @@ def run_case(case: str, work: Path, logs: Path, timeout: float, *, restart: bool
             for record in (copy / "compilation-cache").glob(step_record.RECORDS):
                 record.unlink()
             variants["traced"] = [*argv[:-1], str(variant_cfg)]
+        if timed:
+            _, variant_cfg = copied("timed")
+            variants["timed"] = [sys.executable, str(Path(__file__).with_name("start_timeline.py")), "train", "--config", str(variant_cfg)]
         result["warm"] = _summary(_run(argv, logs / f"{case}-warm.log", timeout), case)
         for label, variant_argv in variants.items():
             result[f"warm_{label}"] = _summary(_run(variant_argv, logs / f"{case}-warm-{label}.log", timeout), case)
@@ -981,6 +987,8 @@ def main() -> None:
                    "again at each, from a copy of the preempted run (background.prompt_handoffs)")
     p.add_argument("--restart-traced", action="store_true", help="the warm restart again from a copy of the preempted "
                    "run without its step record: the step traced and lowered to find JAX's entry (step_record)")
+    p.add_argument("--restart-timed", action="store_true", help="the warm restart again from a copy of the preempted "
+                   "run, every thread's start-up pieces timed (start_timeline.py)")
     p.add_argument("--check", action="store_true", help="first compare the splash kernel with the XLA attention")
     p.add_argument("--write", action="store_true", help="rewrite the TPU section of docs/benchmarks.md")
     p.add_argument("--study", action="store_true", help="first time the step's variants on a 4-layer 1B (STUDY)")
@@ -1012,7 +1020,7 @@ def main() -> None:
     for case in filter(None, args.cases.split(",")):
         intervals = tuple(float(x) for x in args.restart_intervals.split(",") if x)
         results.append(run_case(case, args.work, args.out, args.timeout, restart=not args.no_restart, intervals=intervals,
-                                traced=args.restart_traced))
+                                traced=args.restart_traced, timed=args.restart_timed))
         print(json.dumps(results[-1], default=str)[:3000], flush=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(table(results))
