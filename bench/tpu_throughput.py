@@ -269,7 +269,6 @@ def _compiles(text: str) -> dict[str, Any]:
 TIMELINE = {
     "run_began": r"compiled programs are cached in",  # imports done, the runtime up (`backend_start`)
     "base_built": r"INFO lora_trainer\.train: built the ",  # placeholders: the weights are read after the step begins compiling
-    "base_read_ahead": r"reading the base's weights ahead",  # `late_weights.read_ahead`: from here on a thread
     "base_loaded": r"INFO lora_trainer\.train: loaded the ",
     "step_preloaded": r"loaded the train step compiled earlier",  # `step_preload`, on its thread
     "step_record_loaded": r"loaded the compiled train step ",  # `step_record`, the run's own step, on its thread

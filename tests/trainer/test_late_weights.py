@@ -4,7 +4,6 @@ holds what a model loaded whole holds, placed the same; and a run trains the wei
 from __future__ import annotations
 
 import gc
-import json
 import sys
 import weakref
 from pathlib import Path
@@ -18,7 +17,6 @@ from trainer_fixtures import parse, train_config
 from lora_trainer import distributed, tunix_trainer
 from lora_trainer.background import prompt_handoffs
 from lora_trainer.config import LoraSpec, MeshSpec
-from lora_trainer.errors import UserError
 from lora_trainer.lora import apply_lora
 from lora_trainer.models import LoadedModel, late_weights, layer_stack, load_model
 from lora_trainer.models.mapping import WeightRule
@@ -32,29 +30,24 @@ def _frozen(model: nnx.Module) -> dict[str, jax.Array]:
     return {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, FROZEN))}
 
 
-def _with_lora(source: Path, scan: bool, *, placeholders: bool, mesh: jax.sharding.Mesh,
-               ahead: bool = False) -> tuple[LoadedModel, late_weights.Ahead | None]:
-    """The base with LoRA's structure (as a resume builds it), stacked if `scan`; with `ahead`, its
-    weights read ahead from before LoRA is applied, as a run reads them."""
+def _with_lora(source: Path, scan: bool, *, placeholders: bool, mesh: jax.sharding.Mesh) -> LoadedModel:
+    """The base with LoRA's structure (as a resume builds it), stacked if `scan`."""
     loaded = load_model(str(source), dtype="bfloat16", mesh=mesh, placeholders=placeholders)
-    reading = late_weights.read_ahead(loaded) if ahead else None
-    assert (reading is not None) == ahead  # this host has room for a tiny base twice over
     loaded.model = apply_lora(loaded.model, LoraSpec(rank=4, alpha=8.0), loaded.family, seed=0, structure_only=True).model
     layer_stack.apply(loaded.model, scan)
-    return loaded, reading
+    return loaded
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["read-late", "read-ahead"])
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
-def test_read_into_places_what_a_whole_load_places(tmp_path, scan, ahead):
+def test_read_into_places_what_a_whole_load_places(tmp_path, scan):
     source = make_tiny_hf_model("llama3", tmp_path / "llama3", seed=3, num_hidden_layers=3)
     mesh = distributed.make_mesh(MeshSpec())
-    whole, _ = _with_lora(source, scan, placeholders=False, mesh=mesh)
-    late, reading = _with_lora(source, scan, placeholders=True, mesh=mesh, ahead=ahead)
+    whole = _with_lora(source, scan, placeholders=False, mesh=mesh)
+    late = _with_lora(source, scan, placeholders=True, mesh=mesh)
     assert late.placeholders and all(not np.any(np.asarray(a)) for a in _frozen(late.model).values())
     variables = {p: v for p, v in nnx.to_flat_state(nnx.state(late.model, FROZEN))}
 
-    late_weights.read_into(late.model, late, reading)
+    late_weights.read_into(late.model, late)
 
     assert not late.placeholders
     expected, got = _frozen(whole.model), _frozen(late.model)
@@ -67,12 +60,11 @@ def test_read_into_places_what_a_whole_load_places(tmp_path, scan, ahead):
     assert all(v is variables[p] for p, v in nnx.to_flat_state(nnx.state(late.model, FROZEN)))
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["read-late", "read-ahead"])
-def test_each_placeholder_is_freed_before_its_stack_is_built(tmp_path, monkeypatch, ahead):
+def test_each_placeholder_is_freed_before_its_stack_is_built(tmp_path, monkeypatch):
     """The late read takes no more memory than the eager load's stacking: a stack's placeholder is
     gone when its layers are stacked (else the chip holds it, the layers and the new stack at once)."""
     source = make_tiny_hf_model("llama3", tmp_path / "llama3", seed=3, num_hidden_layers=3)
-    late, reading = _with_lora(source, True, placeholders=True, mesh=distributed.make_mesh(MeshSpec()), ahead=ahead)
+    late = _with_lora(source, True, placeholders=True, mesh=distributed.make_mesh(MeshSpec()))
     stacks = [weakref.ref(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(late.model, FROZEN)) if p[0] == "layer_stack"]
     live_at_each_stacking: list[int] = []
     stack_arrays = layer_stack.stack_arrays
@@ -83,50 +75,8 @@ def test_each_placeholder_is_freed_before_its_stack_is_built(tmp_path, monkeypat
         return stack_arrays(*arrays, **placement)
 
     monkeypatch.setattr(layer_stack, "stack_arrays", stacking)
-    late_weights.read_into(late.model, late, reading)
+    late_weights.read_into(late.model, late)
     assert live_at_each_stacking == list(range(len(stacks) - 1, -1, -1))
-
-
-def _break_offsets(checkpoint: Path, key: str) -> None:
-    """Make the header of the file holding `key` give it fewer bytes than its shape needs (the data stays)."""
-    (path,) = [p for p in checkpoint.glob("*.safetensors") if key.encode() in p.read_bytes()[:65536]]
-    raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    begin, end = header[key]["data_offsets"]
-    header[key]["data_offsets"] = [begin, end - 2]
-    text = json.dumps(header, separators=(",", ":")).encode()
-    assert len(text) <= n
-    path.write_bytes(raw[:8] + text.ljust(n) + raw[8 + n :])
-
-
-def test_a_tensor_the_thread_ahead_cannot_read_fails_the_read_with_its_error(tmp_path):
-    """Read ahead, a bad tensor's error reaches the caller of `read_into` (the run's thread), as when read late."""
-    source = make_tiny_hf_model("llama3", tmp_path / "llama3", seed=3, num_hidden_layers=3)
-    _break_offsets(source, "model.layers.1.mlp.up_proj.weight")
-    late, reading = _with_lora(source, True, placeholders=True, mesh=distributed.make_mesh(MeshSpec()), ahead=True)
-    with pytest.raises(UserError, match=r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' has inconsistent offsets"):
-        late_weights.read_into(late.model, late, reading)
-
-
-def test_weights_are_read_ahead_only_where_the_devices_have_room_for_them_twice():
-    assert late_weights.has_room(100, 110)
-    assert not late_weights.has_room(100, 109)  # HEADROOM_PERCENT: the arrays a start places meanwhile
-    assert not late_weights.has_room(1, None)  # unknown free memory: read late, as before
-
-
-def test_bytes_per_device_counts_each_devices_shards():
-    mesh = distributed.make_mesh(MeshSpec())
-    replicated = jax.device_put(np.zeros((4, 8), np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    assert late_weights.bytes_per_device([replicated, replicated]) == 2 * 4 * 8 * 4
-    assert late_weights.bytes_per_device([]) == 0
-
-
-def test_free_bytes_reads_the_hosts_available_memory_for_the_cpu(tmp_path):
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   12000000 kB\n")
-    assert late_weights.free_bytes(meminfo) == 12000000 * 1024
-    assert late_weights.free_bytes(tmp_path / "absent") is None
 
 
 def _rule(nnx_path: str) -> tuple[str, str, WeightRule]:
@@ -170,9 +120,9 @@ def test_a_run_reads_the_weights_once_the_step_is_compiling_and_trains_on_them(t
         events.append("compile ahead")
         compile_ahead(trainer, micro_batch, records)
 
-    def reading(model: nnx.Module, loaded: LoadedModel, ahead: late_weights.Ahead | None) -> None:
-        events.append(f"read the weights{' read ahead' if ahead else ''}, handing over every {sys.getswitchinterval() * 1e3:.1f} ms")
-        read_into(model, loaded, ahead)
+    def reading(model: nnx.Module, loaded: LoadedModel) -> None:
+        events.append(f"read the weights, handing over every {sys.getswitchinterval() * 1e3:.1f} ms")
+        read_into(model, loaded)
         read.append(model)
 
     monkeypatch.setattr(tunix_trainer.LoraPeftTrainer, "compile_ahead", compiling)
@@ -181,7 +131,7 @@ def test_a_run_reads_the_weights_once_the_step_is_compiling_and_trains_on_them(t
     interval = sys.getswitchinterval()
     run_training(parse(cfg))
 
-    assert events == ["compile ahead", "read the weights read ahead, handing over every 0.2 ms"]
+    assert events == ["compile ahead", "read the weights, handing over every 0.2 ms"]
     assert sys.getswitchinterval() == interval
     (model,) = read
     whole = load_model(cfg["model"]["source"], dtype=cfg["model"]["dtype"], mesh=distributed.make_mesh(MeshSpec()))

@@ -242,24 +242,22 @@ class _Run:
             if resume_step >= t.steps:
                 log.info("training already finished at step %d (training.steps=%d); nothing to do", resume_step, t.steps)
                 return self._result(resume_step)
-        # Four things overlap from here: the base's weights read on a thread where the devices have
-        # room (else on this one, last), the step traced and compiled (or read from the cache) on its
-        # thread, the checkpoint read on another, and this one's work. The reads are mostly native,
-        # each waiting for the interpreter between its calls (`prompt_handoffs`).
+        batches = self._data(loaded)
+        restored = None
+        if resume_step is None and cfg.lora.restore_from:
+            restored = _restore_adapter(cfg.lora.restore_from, cfg.model.source, loaded.family.name)
+            _check_restored(cfg, restored[1])
+        model = self._adapter(loaded, restored, resuming=resume_step is not None)
+        trainer = tunix_trainer.make_trainer(model, t, splash=self.kernel == "splash")
+        store = checkpoint.TrainingCheckpoints(self.root, keep=t.checkpoints_to_keep)
+        # Three things overlap here: the step traced and compiled (or read from the cache) on its
+        # thread, the checkpoint read on another, the base's weights read on this one. The last two
+        # are mostly native work, each waiting for the interpreter between its calls (`prompt_handoffs`).
         with prompt_handoffs():
-            ahead = late_weights.read_ahead(loaded) if loaded.placeholders else None
-            batches = self._data(loaded)
-            restored = None
-            if resume_step is None and cfg.lora.restore_from:
-                restored = _restore_adapter(cfg.lora.restore_from, cfg.model.source, loaded.family.name)
-                _check_restored(cfg, restored[1])
-            model = self._adapter(loaded, restored, resuming=resume_step is not None)
-            trainer = tunix_trainer.make_trainer(model, t, splash=self.kernel == "splash")
-            store = checkpoint.TrainingCheckpoints(self.root, keep=t.checkpoints_to_keep)
             trainer.compile_ahead(tunix_trainer.on_mesh(batches.stream.peek(), self.mesh), self._records(loaded))
             restoring = None if resume_step is None else self._restoring(store, trainer, resume_step)
             if loaded.placeholders:
-                self._read_weights(loaded, ahead)
+                self._read_weights(loaded)
             step = 0 if restoring is None else self._resume(restoring, trainer, batches.stream, resume_step)
         sink = ProgressSink(cfg.output.uri, primary=self.primary, resume_step=step, on_progress=self.on_progress)
         try:
@@ -312,12 +310,12 @@ class _Run:
         }
         return loaded
 
-    def _read_weights(self, loaded: LoadedModel, ahead: late_weights.Ahead | None) -> None:
-        """The base's weights into the model that `_adapter` made of its placeholders (those `ahead` read, if any)."""
+    def _read_weights(self, loaded: LoadedModel) -> None:
+        """The base's weights into the model that `_adapter` made of its placeholders."""
         start = time.perf_counter()
-        late_weights.read_into(loaded.model, loaded, ahead)
-        log.info("loaded the base weights of %s in %.1fs%s", self.cfg.model.source, time.perf_counter() - start,
-                 " more than their read ahead" if ahead is not None else ", while the train step compiled")
+        late_weights.read_into(loaded.model, loaded)
+        log.info("loaded the base weights of %s in %.1fs, while the train step compiled", self.cfg.model.source,
+                 time.perf_counter() - start)
 
     def _data(self, loaded: LoadedModel) -> _Data:
         """Tokenize this process's share of the data (or read what an earlier start tokenized); batches padded to one length per set."""
