@@ -136,8 +136,9 @@ def _trainer_source() -> str:
 @functools.cache
 def _distributions() -> list[str]:
     """Every installed distribution, as its metadata folder is named (`name-version.dist-info`): the
-    folders are listed, not their METADATA files parsed (`importlib.metadata`), which took a
-    restart's compile thread 3.1 s on a v5e host beside the start-up's other threads."""
+    folders are listed, not their METADATA files parsed (`importlib.metadata`). On a v5e host
+    `environment()` took 3.1 s of a restart's compile thread while it parsed them, beside the
+    start-up's other threads; on the CPU host 175 distributions take 0.4 ms listed, 74 ms parsed."""
     found: set[str] = set()
     for entry in sys.path:
         try:
@@ -189,6 +190,7 @@ def preload(cache: str) -> bool:
         return False
     if record is None:
         return False
+
     def environment_then_load() -> jax.stages.Compiled:
         _trainer_source(), _distributions()  # `environment`'s file reads, cached for the compile thread
         return load(str(record))
