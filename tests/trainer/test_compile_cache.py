@@ -103,6 +103,10 @@ def test_the_cache_can_be_off_or_elsewhere(tmp_path) -> None:  # noqa: ANN001
     assert compile_cache.location(shared.training.compilation_cache, "gs://bkt/run") == "gs://bkt/jax-cache"
     default = parse({**off, "training": {**off["training"], "compilationCache": {}}})
     assert compile_cache.location(default.training.compilation_cache, "gs://bkt/run") == "gs://bkt/run/compilation-cache"
+    # Only the run's own cache gets its step loaded ahead and its step kept (`own_location`).
+    assert compile_cache.own_location(default.training.compilation_cache, "gs://bkt/run") == "gs://bkt/run/compilation-cache"
+    assert compile_cache.own_location(shared.training.compilation_cache, "gs://bkt/run") is None
+    assert compile_cache.own_location(parse(off).training.compilation_cache, "gs://bkt/run") is None
 
 
 def test_a_cache_copied_elsewhere_is_read_there(tmp_path) -> None:  # noqa: ANN001

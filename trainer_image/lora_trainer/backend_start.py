@@ -46,12 +46,12 @@ def _start_runtime_then_preload(cfg: TrainConfig | None) -> None:
     """`_start_runtime`, then (for a run keeping its own compilation cache) the load of the train
     step that the run kept begun on its own thread (`step_record`), or if it kept none, of the
     newest train step in JAX's cache (`step_preload`). Not from a cache shared with other runs
-    (`compilationCache.uri`): its newest train step may be another run's, compiled for other chips."""
+    (`compile_cache.own_location`): its newest train step may be another run's, compiled for other chips."""
     _start_runtime()
-    if cfg is not None and cfg.training.compilation_cache.uri is None:
+    if cfg is not None:
         from lora_trainer import compile_cache, step_preload, step_record
 
-        cache = compile_cache.location(cfg.training.compilation_cache, cfg.output.uri)
+        cache = compile_cache.own_location(cfg.training.compilation_cache, cfg.output.uri)
         if cache is not None and not step_record.preload(cache):
             step_preload.start(cache)
 

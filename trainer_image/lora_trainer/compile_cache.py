@@ -42,6 +42,14 @@ def location(spec: CompilationCacheSpec, output_uri: str) -> str | None:
     return uri if storage.is_gcs(uri) else str(storage.absolute_local_path(uri))
 
 
+def own_location(spec: CompilationCacheSpec, output_uri: str) -> str | None:
+    """`location` when only this run writes there (`<output>/compilation-cache`); None when the cache
+    is off or shared (`uri`). What only the run's own cache is trusted with: its newest train step
+    loaded ahead (`step_preload`), and the step it keeps (`step_record`, a pickle), since a shared
+    cache's newest step may be another run's, and each run's record would remove another's."""
+    return None if spec.uri is not None else location(spec, output_uri)
+
+
 @contextlib.contextmanager
 def persistent(path: str | None) -> Iterator[None]:
     """Compile with the persistent cache at `path` (None: without one) for the duration, then put

@@ -274,11 +274,9 @@ class _Run:
 
     def _records(self, loaded: LoadedModel) -> step_record.Records | None:
         """Where the train step is kept for a restart to call without tracing it: the run's own
-        compilation cache. Not a cache shared between runs (`compilationCache.uri`): the records are
-        pickles, trusted only where the run alone writes, and each run's write would remove another's."""
-        spec = self.cfg.training.compilation_cache
-        cache = compile_cache.location(spec, self.cfg.output.uri)
-        if cache is None or spec.uri is not None:
+        compilation cache (`compile_cache.own_location`), never a cache shared between runs."""
+        cache = compile_cache.own_location(self.cfg.training.compilation_cache, self.cfg.output.uri)
+        if cache is None:
             return None
         return step_record.Records(cache, step_record.run_description(self.cfg, loaded.hf_config, self.kernel), write=self.primary)
 
