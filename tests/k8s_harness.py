@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +190,31 @@ class ApiServerEmulator(kmock.KubernetesEmulator, _DirectDispatch):
             return await super()._handle(request)
         except jsonpatch.JsonPatchTestFailed as e:
             raise kmock.KubernetesError(status=422, reason="Invalid", message=f"the object has been modified: {e}") from e
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        """KMock's watch without its gap. KMock lists the objects, releases its lock, streams them,
+        and only then subscribes to their changes: a write in between reached the client neither
+        in the listing nor as an event, where a real API server's watch misses no change. A client
+        that reconnects in that moment (a dropped watch) then waits for its resync. Here the
+        subscription is taken with the listing, under the lock that every write holds while it
+        publishes its event: each write is in the listing or in the stream, never in both."""
+        yield b""  # the headers: the stream is open even if nothing happens
+        assert request.resource is not None
+        bus = self._buses[request.resource]  # type: ignore[attr-defined]
+        async with self._lock:  # type: ignore[attr-defined]
+            objects = [o for o in self._KubernetesEmulator__get_objs(request, strict=False) if not o.deleted]  # type: ignore[attr-defined]
+            listed = [{"type": "ADDED", "object": o.raw} for o in objects]
+            marker = await bus.mark()
+        try:
+            for event in listed:
+                yield event
+            async for event in bus.stream(since=marker):
+                meta = event.get("object", {}).get("metadata", {})
+                if self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"), meta.get("name"),  # type: ignore[attr-defined]
+                                                   strict=False):
+                    yield event
+        finally:
+            await bus.unmark(marker)
 
     def _check_precondition(self, request: kmock.Request) -> None:
         """A merge patch carrying `metadata.resourceVersion` applies only to that version (409

@@ -12,9 +12,11 @@ other `...Recreated`, no `WaitingForAdmission` (no Kueue here). Budget: about 20
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import random
 
+import kmock
 import pytest
 from k8s_faults import FaultProxy
 from k8s_harness import Harness, harness_settings
@@ -92,3 +94,27 @@ async def test_api_faults_change_no_end_state_child_or_event():
 async def _suspended(h: Harness, name: str, value: bool) -> bool:
     js = await h.get("JobSet", name)
     return js is not None and js["spec"]["suspend"] is value
+
+
+async def test_the_emulator_s_watch_misses_no_write_made_while_it_lists():
+    """A watch (re)opened while objects change streams every change, as a real API server's does:
+    the test above reconnects its dropped watches at any moment. KMock subscribed to changes only
+    after streaming its listing, so a write made while a client was still reading the listing was in
+    neither, and only a resync would have shown it (`ApiServerEmulator._serve_watch`). The watch is
+    driven here one event at a time: the write lands after the listing's first object."""
+    async with Harness() as h:
+        for i in range(3):
+            await h.create(lft(f"w-{i}"))
+        request = kmock.Request(action=kmock.action.WATCH, resource=kmock.resource("lora-operator.dev", "v1alpha1", "lorafinetunes"),
+                                namespace="default")
+        watch = h.emulator._serve_watch(request)
+        try:
+            assert await anext(watch) == b""
+            events = [await anext(watch)]
+            await h.patch_spec("LoraFinetune", "w-2", {"suspend": True})
+            events += [await asyncio.wait_for(anext(watch), 10) for _ in range(3)]
+        finally:
+            await watch.aclose()
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [
+        ("ADDED", "w-0"), ("ADDED", "w-1"), ("ADDED", "w-2"), ("MODIFIED", "w-2")]
+    assert events[2]["object"]["spec"]["suspend"] is False and events[3]["object"]["spec"]["suspend"] is True
