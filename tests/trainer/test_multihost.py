@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,10 +110,10 @@ def test_allgather_bytes_pools_blobs_of_any_size_across_real_processes(tmp_path)
 
 
 @pytest.mark.slow
-def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tmp_path):
+def test_two_processes_train_and_resume_the_same_adapter_as_one_process_with_two_devices(tmp_path):
     # Micro-batches of 2 rows, one per host: Tunix alone declared such a batch replicated (each host
     # trained on its row as the whole batch; 0.04 off); the eval batches likewise.
-    base = train_config(tmp_path, "", steps=5, checkpointEvery=5, gradientAccumulation=2)
+    base = train_config(tmp_path, "", steps=5, checkpointEvery=3, gradientAccumulation=2)
     base["dataset"]["eval"] = base["dataset"]["train"]
     one = write_config(tmp_path / "one.json", {**base, "output": {"uri": str(tmp_path / "one")}})
     two = write_config(tmp_path / "two.json", {**base, "output": {"uri": str(tmp_path / "two")}})
@@ -145,6 +146,21 @@ def test_two_processes_train_the_same_adapter_as_one_process_with_two_devices(tm
     evals = [[r["eval/loss"] for r in map(json.loads, (tmp_path / n / "metrics.jsonl").read_text().splitlines()) if "eval/loss" in r]
              for n in ("one", "two")]
     assert len(evals[0]) == 1 and evals[1] == pytest.approx(evals[0], abs=1e-6), evals
+
+    # Resumed in two processes from step 3 (step 5 taken away), the run ends where it did. Both runs
+    # save mid-run, which two processes survive only with Orbax's barriers off the devices
+    # (`checkpoint._prepare_orbax`): their save at step 3 died with gloo's "collective mismatch".
+    shutil.copytree(tmp_path / "two", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "5")
+    resumed = write_config(tmp_path / "resumed.json", {**base, "output": {"uri": str(tmp_path / "resumed")}})
+    common = _gloo_env()
+    procs = [start_trainer(resumed, tmp_path / f"r{k}.log", JAX_PROCESS_ID=str(k), **common) for k in (0, 1)]
+    finish(procs, timeout=400)
+    assert [p.returncode for p in procs] == [exit_codes.OK] * 2, [(tmp_path / f"r{k}.log").read_text()[-3000:] for k in (0, 1)]
+    assert "resuming from step 3" in (tmp_path / "r1.log").read_text()
+    c, meta_c = checkpoint.read_lora(str(tmp_path / "resumed" / "checkpoints"))
+    assert meta_c["step"] == 5
+    assert max(float(np.max(np.abs(b[m][n] - c[m][n]))) for m in b for n in b[m]) <= 1e-6
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import flags
 from etils import epath
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
@@ -160,10 +161,23 @@ class _ExpectedOrbaxWarnings(logging.Filter):
         return not any(text in message for text in _EXPECTED_ORBAX_WARNINGS)
 
 
-def _quiet_orbax() -> None:
+def _prepare_orbax() -> None:
+    """What every checkpoint manager here needs first: the expected warnings dropped, and Orbax's
+    barriers between processes kept off the devices.
+
+    Orbax finishes an async save on its own thread, at a barrier. By default that barrier is a
+    device collective, and it ran beside the step loop's collectives (the stop check's allgather,
+    a multi-host step) in an order that differed between hosts: two CPU processes died at their first
+    save mid-run with gloo's "collective mismatch" (`test_multihost`), where a TPU slice may hang
+    instead. The JAX distributed client's barriers are keyed, so any thread may wait at one (what
+    Orbax's `experimental_orbax_use_distributed_barrier` selects; one process has none either way).
+    """
     absl = logging.getLogger("absl")
     if not any(isinstance(f, _ExpectedOrbaxWarnings) for f in absl.filters):
         absl.addFilter(_ExpectedOrbaxWarnings())
+    barrier = flags.FLAGS["experimental_orbax_use_distributed_barrier"]
+    if not barrier.present:  # as if given on the command line, which Orbax's reads of it require
+        barrier.parse("true")
 
 
 def _split_step_dir(root: str, step: int | None) -> tuple[str, int | None]:
@@ -273,7 +287,7 @@ def write_lora(root: str, step: int, tree: Mapping[str, Mapping[str, Any]], meta
     """
     check_required(metadata, root)
     stored, stacked, axes = _stack_layers(_as_dict_tree(tree))
-    _quiet_orbax()
+    _prepare_orbax()
     with _storage_faults(root, writing=True):
         mgr = ocp.CheckpointManager(
             _path(root),
@@ -403,7 +417,7 @@ def _unstack_layers(tree: LoraTree, stacked: Mapping[str, list[int]], axes: Mapp
 
 @contextlib.contextmanager
 def _reader(root: str, *items: str) -> Iterator[ocp.CheckpointManager]:
-    _quiet_orbax()
+    _prepare_orbax()
     mgr = ocp.CheckpointManager(
         _path(root), options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=_handlers(*items)
     )
@@ -422,7 +436,7 @@ class TrainingCheckpoints:
 
     def __init__(self, root: str, *, keep: int) -> None:
         self.root = root
-        _quiet_orbax()
+        _prepare_orbax()
         with _storage_faults(root, writing=True):
             self._mgr = ocp.CheckpointManager(
                 _path(root),
