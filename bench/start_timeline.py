@@ -56,14 +56,15 @@ def start_then_wrap(*args: Any, **kwargs: Any) -> Any:
     from lora_trainer.models import late_weights
 
     for owner, names in [
-        (train._Run, ["_load_base", "_data", "_adapter", "_restoring", "_read_weights", "_resume"]),
+        (train._Run, ["_load_base", "_data", "_adapter", "_read_weights", "_resume"]),
         (train, ["set_lora_state"]),
         (late_weights, ["read_into"]),
         (tunix_trainer, ["make_trainer", "restore_optimizer_state"]),
         (tunix_trainer.LoraPeftTrainer, ["compile_ahead", "jit_train_and_eval_step", "train"]),
         (tunix_trainer.StateStep, ["compile"]),
         (step_record, ["environment", "fingerprint", "take", "mismatch"]),
-        (checkpoint.TrainingCheckpoints, ["restore"]),
+        (checkpoint.TrainingCheckpoints, ["read"]),
+        (checkpoint, ["placed_like"]),
     ]:
         for name in names:
             timed(owner, name)

@@ -262,17 +262,31 @@ def test_training_checkpoints_keep_n_and_full_restore(tmp_path):
 
     store = ckpt.TrainingCheckpoints(root, keep=2)
     assert store.latest_step() == 3
-    lora_t, opt_t = _sharded_targets(_tree(0), opt)
-    lora, optimizer, data, meta = store.restore(3, lora_target=lora_t, optimizer_target=opt_t)
+    lora, optimizer, data, meta = store.read(3)
     store.close()
     _assert_tree_equal(lora, _tree(3))
     assert int(optimizer["count"]) == 3
-    assert isinstance(optimizer["mu"]["x"], jax.Array)
+    assert isinstance(optimizer["mu"]["x"], np.ndarray)  # on the host: read before the trainer exists
+    lora_t, opt_t = _sharded_targets(_tree(0), opt)
+    placed = ckpt.placed_like(optimizer, opt_t, "step 3")
+    assert placed["mu"]["x"].sharding == opt_t["mu"]["x"].sharding and placed["count"].dtype == jnp.int32
+    _assert_tree_equal(ckpt.placed_like(lora, lora_t, "step 3"), _tree(3))
     assert data == {"epoch": 0, "position": 12}
     assert meta["step"] == 3 and meta["rank"] == 2
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "3"]
     # read_lora reads training checkpoints too (export does this).
     _assert_tree_equal(ckpt.read_lora(root)[0], _tree(3))
+
+
+def test_a_read_step_that_is_not_the_run_s_is_a_user_error_naming_it():
+    lora_t, _ = _sharded_targets(_tree(0), {})
+    other = _tree(1)
+    other["layers/9/attn/q_proj"] = other.pop("layers/0/attn/q_proj")
+    with pytest.raises(UserError, match=r"checkpoint ck/3 does not hold this run's arrays \(missing \[\"\['layers/0/attn/q_proj'\]"):
+        ckpt.placed_like(other, lora_t, "ck/3")
+    wider = jax.tree.map(lambda a: np.zeros((*a.shape[:-1], a.shape[-1] + 1), a.dtype), _tree(1))
+    with pytest.raises(UserError, match=r"checkpoint ck/3 holds an array of shape \[.*\] where this run has"):
+        ckpt.placed_like(wider, lora_t, "ck/3")
 
 
 @pytest.mark.slow

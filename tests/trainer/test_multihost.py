@@ -150,6 +150,7 @@ def test_two_processes_train_and_resume_the_same_adapter_as_one_process_with_two
     # Resumed in two processes from step 3 (step 5 taken away), the run ends where it did. Both runs
     # save mid-run, which two processes survive only with Orbax's barriers off the devices
     # (`checkpoint._prepare_orbax`): their save at step 3 died with gloo's "collective mismatch".
+    # Each process reads the checkpoint whole and places only its own devices' parts (`placed_like`).
     shutil.copytree(tmp_path / "two", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "5")
     resumed = write_config(tmp_path / "resumed.json", {**base, "output": {"uri": str(tmp_path / "resumed")}})

@@ -430,8 +430,8 @@ def _reader(root: str, *items: str) -> Iterator[ocp.CheckpointManager]:
 class TrainingCheckpoints:
     """The training run's side of the format: periodic async saves, keep-N, full restore.
 
-    Every process of a multi-host run constructs one and calls `save`/`restore` together
-    (Orbax coordinates the hosts); only committed steps are ever restored.
+    Every process of a multi-host run constructs one and calls `save`/`read` together
+    (Orbax coordinates the hosts); only committed steps are ever read.
     """
 
     def __init__(self, root: str, *, keep: int) -> None:
@@ -484,20 +484,22 @@ class TrainingCheckpoints:
         with _storage_faults(self.root, writing=True):
             self._mgr.wait_until_finished()
 
-    def restore(self, step: int, *, lora_target: Any, optimizer_target: Any) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
-        """(lora, optimizer, data position, metadata) of a committed step, laid out like the targets.
+    def read(self, step: int) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+        """(lora, optimizer, data position, metadata) of a committed step, its arrays on the host.
 
-        The targets are trees of arrays or `jax.ShapeDtypeStruct`s with shardings; restored
-        arrays take those shardings, so every host gets its part.
+        Why on the host: the read then needs nothing from the trainer, so a resume starts it as soon
+        as it knows the step, beside the base's loading and the step's compile, and places the arrays
+        once the trainer exists (`placed_like`). On a v5e a 1B restart's read took 3.1 s and began
+        only once the optimizer was placed; it ended the critical path. Every host reads every array
+        whole: the adapter and its optimizer state (about 0.5 GB at 8B, rank 16), never the base.
         """
         with _storage_faults(self.root), _unreadable_step(self.root, step):
+            stored = self._mgr.item_metadata(step)
             r = self._mgr.restore(
                 step,
                 args=ocp.args.Composite(
-                    lora=ocp.args.PyTreeRestore(lora_target, restore_args=ocp.checkpoint_utils.construct_restore_args(lora_target)),
-                    optimizer=ocp.args.PyTreeRestore(
-                        optimizer_target, restore_args=ocp.checkpoint_utils.construct_restore_args(optimizer_target)
-                    ),
+                    lora=ocp.args.PyTreeRestore(restore_args=_numpy_restore_args(stored[LORA])),
+                    optimizer=ocp.args.PyTreeRestore(restore_args=_numpy_restore_args(stored[OPTIMIZER])),
                     data=ocp.args.JsonRestore(),
                     metadata=ocp.args.JsonRestore(),
                 ),
@@ -516,6 +518,37 @@ def step_uri(root: str, step: int) -> str:
     return storage.join(root, str(step))
 
 
+def placed_like(host: Any, like: Any, where: str) -> Any:
+    """`host`'s arrays (a `read` item) as arrays shaped, typed and sharded like `like`'s, the trainer's own.
+
+    A compiled step refuses arguments placed otherwise than it was compiled for, so every array takes
+    its counterpart's sharding. Each process gives only its own devices' parts
+    (`make_array_from_callback`): no collective, where `device_put` of a host array compares it
+    across processes first. A tree that is not the trainer's is a UserError naming the step `where`.
+    """
+    stored, wanted = _key_paths(host), _key_paths(like)
+    if stored != wanted:
+        raise UserError(
+            f"checkpoint {where} does not hold this run's arrays (missing {sorted(wanted - stored)[:4]}, not this "
+            f"run's {sorted(stored - wanted)[:4]}); resume with the settings that wrote it, or use a new output.uri"
+        )
+
+    def place(a: np.ndarray, target: Any) -> jax.Array:
+        if tuple(a.shape) != tuple(target.shape):
+            raise UserError(
+                f"checkpoint {where} holds an array of shape {list(a.shape)} where this run has {list(target.shape)}; "
+                "resume with the settings that wrote it, or use a new output.uri"
+            )
+        a = np.asarray(a, dtype=target.dtype)
+        return jax.make_array_from_callback(a.shape, target.sharding, lambda index: a[index])
+
+    return jax.tree.map(place, host, like)
+
+
+def _key_paths(tree: Any) -> set[str]:
+    return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 __all__ = [
     "LAYER",
     "LAYOUT",
@@ -524,6 +557,7 @@ __all__ = [
     "checkpoint_root",
     "committed_steps",
     "latest_committed_step",
+    "placed_like",
     "read_lora",
     "read_metadata",
     "step_uri",

@@ -242,6 +242,9 @@ class _Run:
             if resume_step >= t.steps:
                 log.info("training already finished at step %d (training.steps=%d); nothing to do", resume_step, t.steps)
                 return self._result(resume_step)
+        store = checkpoint.TrainingCheckpoints(self.root, keep=t.checkpoints_to_keep)
+        # The checkpoint is read from here on, beside the data, LoRA and the step's compile; `_resume` places it.
+        reading = None if resume_step is None else in_background(lambda: store.read(resume_step), "restore")
         batches = self._data(loaded)
         restored = None
         if resume_step is None and cfg.lora.restore_from:
@@ -249,16 +252,14 @@ class _Run:
             _check_restored(cfg, restored[1])
         model = self._adapter(loaded, restored, resuming=resume_step is not None)
         trainer = tunix_trainer.make_trainer(model, t, splash=self.kernel == "splash")
-        store = checkpoint.TrainingCheckpoints(self.root, keep=t.checkpoints_to_keep)
         # Three things overlap here: the step traced and compiled (or read from the cache) on its
         # thread, the checkpoint read on another, the base's weights read on this one. The last two
         # are mostly native work, each waiting for the interpreter between its calls (`prompt_handoffs`).
         with prompt_handoffs():
             trainer.compile_ahead(tunix_trainer.on_mesh(batches.stream.peek(), self.mesh), self._records(loaded))
-            restoring = None if resume_step is None else self._restoring(store, trainer, resume_step)
             if loaded.placeholders:
                 self._read_weights(loaded)
-            step = 0 if restoring is None else self._resume(restoring, trainer, batches.stream, resume_step)
+            step = 0 if reading is None else self._resume(reading, trainer, batches.stream, resume_step)
         sink = ProgressSink(cfg.output.uri, primary=self.primary, resume_step=step, on_progress=self.on_progress)
         try:
             result = self._loop(trainer, batches, store, sink, step, loaded.hf_config)
@@ -383,21 +384,16 @@ class _Run:
         log.info("attention: %s kernel; rematerialisation: %s; %d decoder layers, %s", self.kernel, policy, layers, loop)
         return applied.model
 
-    def _restoring(self, store: checkpoint.TrainingCheckpoints, trainer: tunix_trainer.LoraPeftTrainer,
-                   step: int) -> Future[tuple[Any, Any, dict[str, Any], dict[str, Any]]]:
-        """Committed checkpoint `step` read on a thread, laid out like the trainer's LoRA and
-        optimizer arrays (found here, once the optimizer is placed: `compile_ahead`)."""
-        lora_target, optimizer_target = lora_state(trainer.model), tunix_trainer.optimizer_state(trainer)
-        return in_background(lambda: store.restore(step, lora_target=lora_target, optimizer_target=optimizer_target), "restore")
-
-    def _resume(self, restoring: Future[tuple[Any, Any, dict[str, Any], dict[str, Any]]],
+    def _resume(self, reading: Future[tuple[Any, Any, dict[str, Any], dict[str, Any]]],
                 trainer: tunix_trainer.LoraPeftTrainer, stream: data.BatchStream, step: int) -> int:
-        """LoRA params, optimizer state and data position from the checkpoint `_restoring` reads; returns its step."""
-        lora, opt, position, _ = restoring.result()
-        set_lora_state(trainer.model, lora)
-        tunix_trainer.restore_optimizer_state(trainer, opt)
+        """LoRA params, optimizer state and data position from the checkpoint read since the run knew
+        its step (`TrainingCheckpoints.read`), placed like the trainer's own; returns the step."""
+        lora, opt, position, _ = reading.result()
+        where = checkpoint.step_uri(self.root, step)
+        set_lora_state(trainer.model, checkpoint.placed_like(lora, lora_state(trainer.model), where))
+        tunix_trainer.restore_optimizer_state(trainer, checkpoint.placed_like(opt, tunix_trainer.optimizer_state(trainer), where))
         stream.restore(position)
-        log.info("resuming from step %d (checkpoint %s)", step, checkpoint.step_uri(self.root, step))
+        log.info("resuming from step %d (checkpoint %s)", step, where)
         return step
 
     def _check_compatible(self, step: int) -> None:
