@@ -109,7 +109,7 @@ def test_rendered_trainer_commands_are_what_the_trainer_image_runs(path: Path) -
 
 #: Import names of what the trainer and test extras add on top of the operator image.
 NOT_IN_OPERATOR_IMAGE = {
-    "jax": "jax", "flax": "flax", "qwix": "qwix", "google-tunix": "tunix", "orbax-checkpoint": "orbax",
+    "jax": "jax", "flax": "flax", "qwix": "qwix", "google-tunix": "tunix", "orbax-checkpoint": "orbax", "absl-py": "absl",
     "optax": "optax", "transformers": "transformers", "safetensors": "safetensors", "gcsfs": "gcsfs",
     "pyarrow": "pyarrow", "tensorboardx": "tensorboardX", "matplotlib": "matplotlib", "torch": "torch", "peft": "peft",
 }
