@@ -10,7 +10,7 @@ import pytest
 from trainer_fixtures import parse, train_config
 
 from lora_trainer import backend_start, step_preload
-from lora_trainer.background import in_background
+from lora_trainer.background import in_background, settle
 from lora_trainer.errors import UserError
 
 
@@ -68,6 +68,21 @@ def test_background_work_hands_back_its_result_or_its_error_from_a_daemon_thread
 
     with pytest.raises(UserError, match="names no coordinator"):
         in_background(fail, "probe").result(timeout=30)
+
+
+def test_settle_waits_for_finish_first_work_only_and_no_longer_than_told() -> None:
+    """An error printed before a kept step's log line was not stderr's last line (`cli._fail`)."""
+    release_short, release_long, never = threading.Event(), threading.Event(), threading.Event()
+    short = in_background(lambda: release_short.wait(30), "short", finish_first=True)
+    other = in_background(lambda: never.wait(30), "other")  # not finish_first: settle does not wait for it
+    threading.Timer(0.2, release_short.set).start()
+    settle(10)
+    assert short.done() and not other.done()
+    stuck = in_background(lambda: release_long.wait(30), "stuck", finish_first=True)
+    settle(0.1)  # bounded: it returns with the work still running
+    assert not stuck.done()
+    release_long.set()
+    never.set()
 
 
 def test_the_cached_train_step_is_loaded_ahead_from_the_runs_own_cache_only(

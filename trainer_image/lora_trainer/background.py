@@ -11,14 +11,21 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from typing import TypeVar
+from concurrent.futures import Future, wait
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-def in_background(work: Callable[[], T], name: str) -> Future[T]:
-    """Run `work` on a new daemon thread named `name`; its outcome lands in the returned `Future`."""
+#: Work begun with `finish_first` and not yet done.
+_unfinished: set[Future[Any]] = set()
+_unfinished_lock = threading.Lock()
+
+
+def in_background(work: Callable[[], T], name: str, *, finish_first: bool = False) -> Future[T]:
+    """Run `work` on a new daemon thread named `name`; its outcome lands in the returned `Future`.
+
+    `finish_first`: short work whose log line belongs before the process's last word (`settle`)."""
     future: Future[T] = Future()
 
     def run() -> None:
@@ -28,9 +35,25 @@ def in_background(work: Callable[[], T], name: str) -> Future[T]:
             future.set_exception(e)
         else:
             future.set_result(result)
+        finally:
+            with _unfinished_lock:
+                _unfinished.discard(future)
 
+    if finish_first:
+        with _unfinished_lock:
+            _unfinished.add(future)
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
+
+
+def settle(timeout: float) -> None:
+    """Wait up to `timeout` seconds in all for the `finish_first` work still running.
+
+    Why: such work logs when it ends (a kept train step), and an error printed before it was not
+    the last line on stderr, where users and tests look for it."""
+    with _unfinished_lock:
+        pending = list(_unfinished)
+    wait(pending, timeout=timeout)
 
 
 @contextlib.contextmanager

@@ -13,11 +13,13 @@ import threading
 import time
 from collections.abc import Sequence
 
-from lora_trainer import exit_codes
+from lora_trainer import background, exit_codes
 from lora_trainer.errors import TrainerError, UserError, device_oom_message, naming_fields
 
 #: Seconds Python's shutdown may take once the exit code is decided; then the process is ended anyway.
 EXIT_GRACE_S = 30.0
+#: Seconds an error waits for background work that logs when done (`_fail`).
+SETTLE_S = 10.0
 #: Python's exit status after an uncaught exception (a crash outside the exit-code table).
 UNCAUGHT_EXIT = 1
 #: Ends every retriable error's paragraph, so a reader of the log knows no action is needed.
@@ -159,22 +161,27 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return _dispatch(args)
     except TrainerError as e:
-        note = RETRIABLE_NOTES.get(e.exit_code, "")
-        print(f"lora-trainer {args.command}: error: {e}{note}", file=sys.stderr)
-        return e.exit_code
+        return _fail(args, f"{e}{RETRIABLE_NOTES.get(e.exit_code, '')}", e.exit_code)
     except MemoryError:
-        print(
-            f"lora-trainer {args.command}: error: out of host memory. Use a host with more memory, "
-            "a smaller training.globalBatchSize or dataset.maxSeqLen, or quantize the base (lora.quantization).",
-            file=sys.stderr,
+        return _fail(
+            args,
+            "out of host memory. Use a host with more memory, a smaller training.globalBatchSize or dataset.maxSeqLen, "
+            "or quantize the base (lora.quantization).",
+            exit_codes.USER_ERROR,
         )
-        return exit_codes.USER_ERROR
     except Exception as e:
         message = device_oom_message(e, args.command)
         if message is None:
             raise
-        print(f"lora-trainer {args.command}: error: {message}", file=sys.stderr)
-        return exit_codes.USER_ERROR
+        return _fail(args, message, exit_codes.USER_ERROR)
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    """Print the error as stderr's last line: work still writing what it logs (a kept train step)
+    gets a few seconds to finish first, or its line came after the error (`background.settle`)."""
+    background.settle(SETTLE_S)
+    print(f"lora-trainer {args.command}: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

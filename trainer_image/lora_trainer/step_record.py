@@ -234,7 +234,7 @@ def keep(cache: str, key: str, compiled: jax.stages.Compiled) -> None:
             log.warning("did not keep the compiled train step in %s (%s: %s); a restart traces the step", cache,
                         type(e).__name__, e)
 
-    in_background(guarded, "step-record-save")
+    in_background(guarded, "step-record-save", finish_first=True)
 
 
 def mismatch(compiled: jax.stages.Compiled, arguments: Any, layouts: Any = None) -> str | None:
