@@ -523,9 +523,8 @@ def placed_like(host: Any, like: Any, where: str) -> Any:
     """`host`'s arrays (a `read` item) as arrays shaped, typed and sharded like `like`'s, the trainer's own.
 
     A compiled step refuses arguments placed otherwise than it was compiled for, so every array takes
-    its counterpart's sharding. Each process gives only its own devices' parts
-    (`make_array_from_callback`): no collective, where `device_put` of a host array compares it
-    across processes first. A tree that is not the trainer's is a UserError naming the step `where`.
+    its counterpart's sharding (`placed`). A tree that is not the trainer's is a UserError naming
+    the step `where`.
     """
     stored, wanted = _key_paths(host), _key_paths(like)
     if stored != wanted:
@@ -540,10 +539,17 @@ def placed_like(host: Any, like: Any, where: str) -> Any:
                 f"checkpoint {where} holds an array of shape {list(a.shape)} where this run has {list(target.shape)}; "
                 "resume with the settings that wrote it, or use a new output.uri"
             )
-        a = np.asarray(a, dtype=target.dtype)
-        return jax.make_array_from_callback(a.shape, target.sharding, lambda index: a[index])
+        return placed(a, target)
 
     return jax.tree.map(place, host, like)
+
+
+def placed(value: Any, like: jax.Array) -> jax.Array:
+    """One host array (or a fetchable one) typed and sharded like `like`, each process giving only
+    its own devices' parts: `device_put` of a host array onto devices of several processes first
+    compares it across them, one collective per array."""
+    a = np.asarray(value, dtype=like.dtype)
+    return jax.make_array_from_callback(a.shape, like.sharding, lambda index: a[index])
 
 
 def _key_paths(tree: Any) -> set[str]:
@@ -558,6 +564,7 @@ __all__ = [
     "checkpoint_root",
     "committed_steps",
     "latest_committed_step",
+    "placed",
     "placed_like",
     "read_lora",
     "read_metadata",

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.interpreters import partial_eval
 
 from lora_trainer import lora_names
+from lora_trainer.checkpoint import placed
 from lora_trainer.config import LoraSpec
 from lora_trainer.errors import UserError
 from lora_trainer.lora_provider import LoraProvider
@@ -306,6 +307,4 @@ def set_lora_state(model: nnx.Module, tree: Mapping[str, Mapping[str, Any]]) -> 
     for path, params in current.items():
         for name, var in params.items():
             old = var.get_value()
-            new = jnp.asarray(tree[path][name], dtype=old.dtype)
-            sharding = getattr(old, "sharding", None)
-            var.set_value(jax.device_put(new, sharding) if sharding is not None else new)
+            var.set_value(placed(tree[path][name], old) if isinstance(old, jax.Array) else jnp.asarray(tree[path][name], dtype=old.dtype))

@@ -42,7 +42,7 @@ from lora_trainer.async_saves import AsyncSaves
 from lora_trainer.background import in_background, prompt_handoffs
 from lora_trainer.config import TrainConfig, TrainingSpec
 from lora_trainer.errors import UserError
-from lora_trainer.lora import apply_lora, lora_state, resolve_target_regex, set_lora_state
+from lora_trainer.lora import apply_lora, resolve_target_regex, set_lora_state
 from lora_trainer.models import LoadedModel, late_weights, layer_stack, load_model, remat
 from lora_trainer.models.loading import host_device, place_on_mesh
 from lora_trainer.models.attention import choose_kernel, padded_length
@@ -387,11 +387,11 @@ class _Run:
 
     def _resume(self, reading: Future[tuple[Any, Any, dict[str, Any], dict[str, Any]]],
                 trainer: tunix_trainer.LoraPeftTrainer, stream: data.BatchStream, step: int) -> int:
-        """LoRA params, optimizer state and data position from the checkpoint read since the run knew
-        its step (`TrainingCheckpoints.read`), placed like the trainer's own; returns the step."""
+        """LoRA params, optimizer state and data position from the checkpoint read on its thread
+        (`TrainingCheckpoints.read`, host arrays), placed like the trainer's own; returns the step."""
         lora, opt, position, _ = reading.result()
         where = checkpoint.step_uri(self.root, step)
-        set_lora_state(trainer.model, checkpoint.placed_like(lora, lora_state(trainer.model), where))
+        set_lora_state(trainer.model, lora)  # checks the tree and places each array (`checkpoint.placed`)
         tunix_trainer.restore_optimizer_state(trainer, checkpoint.placed_like(opt, tunix_trainer.optimizer_state(trainer), where))
         stream.restore(position)
         log.info("resuming from step %d (checkpoint %s)", step, where)
