@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, set[str]]] = [
                        "lora_trainer.progress", "lora_trainer.stop", "lora_trainer.schedule", "lora_trainer.distributed",
                        "lora_trainer.compile_cache", "lora_trainer.step_record", "lora_trainer.metrics", "lora_trainer.host_memory",
                        "lora_trainer.tiny_models", "lora_trainer.accumulating_dot", "lora_trainer.cross_entropy", "lora_trainer.fused_head",
-                       "lora_trainer.quantized_product", "lora_trainer.token_cache"}),
+                       "lora_trainer.quantized_product", "lora_trainer.fused_delta", "lora_trainer.token_cache"}),
     ("trainer config", {"lora_trainer.config", "lora_trainer.storage", "lora_trainer.storage_faults", "lora_trainer.progress_record",
                         "lora_trainer.trainer_logging"}),
     ("leaves", {"lora_trainer.errors", "lora_trainer.exit_codes", "lora_trainer.rules", "lora_trainer.background", "lora_trainer"}),

@@ -36,7 +36,7 @@ from qwix._src.providers import lora as qwix_lora
 from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
-from lora_trainer import accumulating_dot, quantized_product
+from lora_trainer import accumulating_dot, fused_delta, quantized_product
 from lora_trainer.accumulating_dot import contract
 from lora_trainer.models.remat import PRODUCTS
 
@@ -237,8 +237,13 @@ class LoraProvider(qwix.LoraProvider):
     activation of the model into float32. The adapted product and its delta are summed in
     float32 and rounded once. QLoRA's one-time weight quantization is compiled (`_CompiledQuantize`),
     and its frozen products dequantize the weight again in the backward pass rather than keep the
-    forward's (`quantized_product`).
+    forward's (`quantized_product`). On TPU an unquantized 16-bit projection and its delta are one
+    product (`fused_delta`) where their shapes allow.
     """
+
+    #: Whether an unquantized 16-bit projection and its delta are one product (`fused_delta`); None: on TPU,
+    #: decided when the model is traced. The CPU keeps two (its tests and golden logits are of that form).
+    fuses_delta: bool | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -259,6 +264,12 @@ class LoraProvider(qwix.LoraProvider):
         rule, _ = self._get_current_rule_and_op_id("dot_general", only_rule=True)
         weight_name = _weight_name(rule, rhs)
         wide = weight_name is not None and _sums_before_rounding(rule, lhs, rhs, preferred_element_type)
+        fuses = out_sharding is None and self._fuses(rule, wide)
+        contracted = fused_delta.canonical_dot_general(lhs.ndim, rhs.ndim, dimension_numbers) if fuses else None
+        if contracted is not None:
+            self._get_current_rule_and_op_id("dot_general")  # Qwix's per-module op count, as its own call keeps it
+            a, b = self._factors(rule, weight_name, rhs, dimension_numbers)
+            return _adapted(fused_delta.product(lhs, rhs, a, b, rule.alpha / rule.rank, contracted), lhs.dtype)
         if rule is None or rule.weight_qtype is None:  # what Qwix does unquantized, with a 16-bit fast path
             self._get_current_rule_and_op_id("dot_general")  # Qwix's per-module op count, as its own call keeps it
             res = accumulating_dot.dot_general(
@@ -271,7 +282,24 @@ class LoraProvider(qwix.LoraProvider):
         if weight_name is None:  # no LoRA rule here, or rhs is not a weight
             return res
         out_dtype = lhs.dtype if wide else res.dtype
-        (lhs_ca, rhs_ca), (lhs_ba, rhs_ba) = dimension_numbers
+        (lhs_ca, _), (lhs_ba, _) = dimension_numbers
+        a, b = self._factors(rule, weight_name, rhs, dimension_numbers)
+        lhs = _dropout(lhs, rule.dropout)
+        spec = dot_general_spec(lhs.ndim, lhs_ca, lhs_ba, b.ndim - len(lhs_ba) - 1)
+        return _adapted(res + lora_delta(spec, lhs, a, b, rule.alpha / rule.rank), out_dtype)
+
+    def _fuses(self, rule: Any, wide: bool) -> bool:
+        """Whether this product and its delta may be one (`fused_delta`): an unquantized 16-bit
+        projection without LoRA dropout (dropout feeds the delta an input the frozen product does not see)."""
+        fuses = jax.default_backend() == "tpu" if self.fuses_delta is None else self.fuses_delta
+        return fuses and wide and rule.weight_qtype is None and rule.dropout == 0
+
+    def _factors(
+        self, rule: Any, weight_name: str, rhs: Any, dimension_numbers: jax.lax.DotDimensionNumbers
+    ) -> tuple[jax.Array, jax.Array]:
+        """The LoRA A and B of a dot_general's weight `rhs` (Qwix's params), shaped (*batch, *contract, r)
+        and (*batch, r, *remain) as `dot_general_spec`'s delta takes them."""
+        (_, rhs_ca), (_, rhs_ba) = dimension_numbers
         rhs_ra = tuple(i for i in range(rhs.ndim) if i not in rhs_ca and i not in rhs_ba)
         contract_shape = tuple(rhs.shape[i] for i in rhs_ca)
         batch_shape = tuple(rhs.shape[i] for i in rhs_ba)
@@ -280,11 +308,9 @@ class LoraProvider(qwix.LoraProvider):
             rhs_ca, rhs_ba, rhs_ra, contract_shape, batch_shape, remain_shape, rule.rank
         )
         lora_a, lora_b = _lora_params(rule, weight_name, a_shape, a_transpose, b_shape, b_transpose)
-        lhs = _dropout(lhs, rule.dropout)
-        spec = dot_general_spec(lhs.ndim, lhs_ca, lhs_ba, len(remain_shape))
         a = jnp.reshape(lora_a, (*batch_shape, *contract_shape, rule.rank))
         b = jnp.reshape(lora_b, (*batch_shape, rule.rank, *remain_shape))
-        return _adapted(res + lora_delta(spec, lhs, a, b, rule.alpha / rule.rank), out_dtype)
+        return a, b
 
     def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> jax.Array:
         """The frozen (possibly quantized) einsum plus the LoRA delta (Qwix's shapes and params)."""
@@ -293,6 +319,18 @@ class LoraProvider(qwix.LoraProvider):
             raise ValueError(f"Unsupported einsum format for LoRA: {einsum_str=}")
         weight_name = _weight_name(rule, operands[-1])
         wide = weight_name is not None and _sums_before_rounding(rule, *operands, kwargs.get("preferred_element_type"))
+        if not kwargs and self._fuses(rule, wide):
+            lhs, rhs = operands
+            a_shape, b_shape, lora_spec, a_transpose, b_transpose = qwix_lora._parse_einsum_str_for_lora(
+                lhs.shape, rhs.shape, einsum_str, rule.rank
+            )
+            canonical = fused_delta.canonical_einsum(einsum_str, lora_spec)
+            if canonical is not None:
+                self._get_current_rule_and_op_id("einsum")  # Qwix's per-module op count, as its own call keeps it
+                setattr(flax_util.get_current_module(), weight_name + "_lora_einsum_str", lora_spec)
+                lora_a, lora_b = _lora_params(rule, weight_name, a_shape, a_transpose, b_shape, b_transpose)
+                out = fused_delta.product(lhs, rhs, lora_a, lora_b, rule.alpha / rule.rank, canonical[0])
+                return _adapted(out, lhs.dtype)
         frozen = dict(kwargs)
         if wide:
             frozen["preferred_element_type"] = jnp.float32
