@@ -942,13 +942,35 @@ def step_profile(work: Path, shape: str = "1b", layers: int = 8, micro: int = 4,
     return result
 
 
+def adapted_products(work: Path) -> list[dict[str, Any]]:
+    """The first `STEP_PROFILES` row (the 1B target's step) with each adapted projection as two
+    products (the frozen one in float32, then the delta added in a second pass: the CPU's form)
+    and as one (`fused_delta`, the TPU's), side by side in one process."""
+    import jax
+
+    from lora_trainer.lora_provider import LoraProvider
+
+    shape, layers, micro, policy, _, queued = STEP_PROFILES[0]
+    rows = []
+    try:
+        for one in (False, True):
+            LoraProvider.fuses_delta = one
+            row = step_profile(work, shape, layers, micro, policy, queued=queued)
+            rows.append({"products": "one" if one else "two", **{k: row[k] for k in ("step", "mfu", "compile", "device_ms_per_step",
+                                                                                        "by_kind_ms", "trace")}})
+            jax.clear_caches()
+    finally:
+        LoraProvider.fuses_delta = None
+    return rows
+
+
 # --------------------------------------------------------------------------- report
 
 
 #: `--NAME` flag -> the study it runs before the cases.
 STUDIES = {"study": study, "qlora_memory": qlora_memory, "save_overlap": save_overlap,
            "splash_tilings": splash_tilings, "nf4_decoding": nf4_decoding,
-           "step_profiles": step_profiles}
+           "step_profiles": step_profiles, "adapted_products": adapted_products}
 
 
 def _fmt(x: Any, spec: str = ".2f") -> str:
@@ -996,6 +1018,8 @@ def main() -> None:
     p.add_argument("--splash-tilings", action="store_true", help="first time the splash kernel's tilings (SPLASH_TILINGS)")
     p.add_argument("--nf4-decoding", action="store_true", help="first time an 8B MLP product's nf4 decoding: Qwix's gather against selects")
     p.add_argument("--step-profiles", action="store_true", help="first trace the steps of STEP_PROFILES and sum the chip's time by kind of op")
+    p.add_argument("--adapted-products", action="store_true", help="first profile the 1B step with each adapted projection "
+                   "as two products and as one (fused_delta)")
     p.add_argument("--full-ft-worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.full_ft_worker:
