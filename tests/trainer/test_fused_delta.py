@@ -38,6 +38,11 @@ def test_canonical_forms_are_the_projections_of_the_families() -> None:
     assert fused_delta.canonical_dot_general(3, 3, (((2,), (1,)), ((0,), (0,)))) is None
 
 
+def test_tensor_parallel_meshes_keep_two_products() -> None:
+    assert fused_delta.allowed_on({}) and fused_delta.allowed_on({"data": 1, "fsdp": 8, "tp": 1})
+    assert not fused_delta.allowed_on({"data": 1, "fsdp": 2, "tp": 4})
+
+
 def _operands(k: int, o: int, dtype: jnp.dtype, seed: int = 0) -> tuple[jax.Array, ...]:
     keys = jax.random.split(jax.random.key(seed), 5)
     x = jax.random.normal(keys[0], (2, 5, k), jnp.float32).astype(dtype)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,15 @@ def _adapted_bwd(scale: float, res: tuple, g: jax.Array) -> tuple[jax.Array, Non
 
 
 adapted_product.defvjp(_adapted_fwd, _adapted_bwd)
+
+
+def allowed_on(mesh_shape: Mapping[str, int]) -> bool:
+    """Whether the run's mesh (axis name -> size) allows one product: not with tensor parallelism.
+
+    Why: over `tp` the heads and the MLP's hidden units are split, and the rank-r operands are whole;
+    appending them to a split axis (q's output gradient, o's input) would make XLA gather the split
+    activations on every chip. Measured on one chip only, so the form stays where it was measured."""
+    return mesh_shape.get("tp", 1) <= 1
 
 
 def canonical_einsum(spec: str, lora_spec: str) -> tuple[int, int] | None:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.interpreters import pxla
 from qwix._src.core import qarray
 from qwix._src.providers import lora as qwix_lora
 from qwix._src.providers import ptq
@@ -289,9 +290,14 @@ class LoraProvider(qwix.LoraProvider):
         return _adapted(res + lora_delta(spec, lhs, a, b, rule.alpha / rule.rank), out_dtype)
 
     def _fuses(self, rule: Any, wide: bool) -> bool:
-        """Whether this product and its delta may be one (`fused_delta`): an unquantized 16-bit
-        projection without LoRA dropout (dropout feeds the delta an input the frozen product does not see)."""
-        fuses = jax.default_backend() == "tpu" if self.fuses_delta is None else self.fuses_delta
+        """Whether this product and its delta may be one (`fused_delta`): on TPU without tensor parallelism
+        (`fused_delta.allowed_on`), an unquantized 16-bit projection without LoRA dropout (dropout feeds
+        the delta an input the frozen product does not see)."""
+        if self.fuses_delta is None:
+            mesh = pxla.thread_resources.env.physical_mesh  # the run's, as the step is traced under it (`train`)
+            fuses = jax.default_backend() == "tpu" and (mesh.empty or fused_delta.allowed_on(dict(mesh.shape)))
+        else:
+            fuses = self.fuses_delta
         return fuses and wide and rule.weight_qtype is None and rule.dropout == 0
 
     def _factors(
