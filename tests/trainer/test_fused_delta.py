@@ -26,8 +26,8 @@ RANK = 4
 
 def test_canonical_forms_are_the_projections_of_the_families() -> None:
     # Tunix's q/k/v ("BTD,DNH->BTNH") and o ("BTNH,NHD->BTD") with Qwix's LoRA specs for them.
-    assert fused_delta.canonical_einsum("BTD,DNH->BTNH", "BTD,Dr,rNH->BTNH") == (1, 2)
-    assert fused_delta.canonical_einsum("BTNH,NHD->BTD", "BTNH,NHr,rD->BTD") == (2, 1)
+    assert fused_delta.canonical_einsum("BTD,DNH->BTNH", "BTD,Dr,rNH->BTNH") == 1
+    assert fused_delta.canonical_einsum("BTNH,NHD->BTD", "BTNH,NHr,rD->BTD") == 2
     # Not reshapes alone: contracted letters out of order, a batch letter, A or B in another order.
     assert fused_delta.canonical_einsum("BTHN,NHD->BTD", "BTHN,NHr,rD->BTD") is None
     assert fused_delta.canonical_einsum("BTD,BDN->BTN", "BTD,BDr,BrN->BTN") is None

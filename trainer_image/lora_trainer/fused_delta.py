@@ -100,10 +100,9 @@ def allowed_on(mesh_shape: Mapping[str, int]) -> bool:
     return mesh_shape.get("tp", 1) <= 1
 
 
-def canonical_einsum(spec: str, lora_spec: str) -> tuple[int, int] | None:
-    """For a frozen einsum `spec` ("x,w->out") and its LoRA spec ("x,a,b->out"): (number of x's
-    contracted trailing dims, number of w's remaining dims) when both are in the form
-    `adapted_product` takes after reshapes alone; else None.
+def canonical_einsum(spec: str, lora_spec: str) -> int | None:
+    """For a frozen einsum `spec` ("x,w->out") and its LoRA spec ("x,a,b->out"): the number of
+    contracted dims when both are in the form `adapted_product` takes after reshapes alone; else None.
 
     That form: no batch letters, x's contracted letters last and w's first in the same order, the
     output x's free letters then w's remaining ones, A = contracted + rank and B = rank + remaining.
@@ -130,7 +129,7 @@ def canonical_einsum(spec: str, lora_spec: str) -> tuple[int, int] | None:
         and b_sub == rank + remain
         and rank not in xs + ws
     )
-    return (len(contracted), len(remain)) if ok else None
+    return len(contracted) if ok else None
 
 
 def canonical_dot_general(lhs_ndim: int, rhs_ndim: int, dimension_numbers: jax.lax.DotDimensionNumbers) -> int | None:

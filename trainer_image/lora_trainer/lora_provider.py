@@ -325,18 +325,18 @@ class LoraProvider(qwix.LoraProvider):
             raise ValueError(f"Unsupported einsum format for LoRA: {einsum_str=}")
         weight_name = _weight_name(rule, operands[-1])
         wide = weight_name is not None and _sums_before_rounding(rule, *operands, kwargs.get("preferred_element_type"))
-        if not kwargs and self._fuses(rule, wide):
+        if weight_name is not None:
             lhs, rhs = operands
             a_shape, b_shape, lora_spec, a_transpose, b_transpose = qwix_lora._parse_einsum_str_for_lora(
                 lhs.shape, rhs.shape, einsum_str, rule.rank
             )
-            canonical = fused_delta.canonical_einsum(einsum_str, lora_spec)
-            if canonical is not None:
+            setattr(flax_util.get_current_module(), weight_name + "_lora_einsum_str", lora_spec)
+            lora_a, lora_b = _lora_params(rule, weight_name, a_shape, a_transpose, b_shape, b_transpose)
+            fuses = not kwargs and self._fuses(rule, wide)
+            contracted = fused_delta.canonical_einsum(einsum_str, lora_spec) if fuses else None
+            if contracted is not None:
                 self._get_current_rule_and_op_id("einsum")  # Qwix's per-module op count, as its own call keeps it
-                setattr(flax_util.get_current_module(), weight_name + "_lora_einsum_str", lora_spec)
-                lora_a, lora_b = _lora_params(rule, weight_name, a_shape, a_transpose, b_shape, b_transpose)
-                out = fused_delta.product(lhs, rhs, lora_a, lora_b, rule.alpha / rule.rank, canonical[0])
-                return _adapted(out, lhs.dtype)
+                return _adapted(fused_delta.product(lhs, rhs, lora_a, lora_b, rule.alpha / rule.rank, contracted), lhs.dtype)
         frozen = dict(kwargs)
         if wide:
             frozen["preferred_element_type"] = jnp.float32
@@ -345,13 +345,7 @@ class LoraProvider(qwix.LoraProvider):
         res = ptq.PtqProvider.einsum(self, einsum_str, *operands, **frozen)
         if weight_name is None:  # no LoRA rule here, or rhs is not a weight
             return res
-        out_dtype = operands[0].dtype if wide else res.dtype
-        lhs, rhs = operands
-        a_shape, b_shape, lora_spec, a_transpose, b_transpose = qwix_lora._parse_einsum_str_for_lora(
-            lhs.shape, rhs.shape, einsum_str, rule.rank
-        )
-        setattr(flax_util.get_current_module(), weight_name + "_lora_einsum_str", lora_spec)
-        lora_a, lora_b = _lora_params(rule, weight_name, a_shape, a_transpose, b_shape, b_transpose)
+        out_dtype = lhs.dtype if wide else res.dtype
         lhs = _dropout(lhs, rule.dropout)
         scale = rule.alpha / rule.rank
         if kwargs or _subscripts(lora_spec) is None:  # a form the explicit backward does not cover
