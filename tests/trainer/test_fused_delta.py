@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from trainer_fixtures import hlo_dots
+from trainer_fixtures import flat_lora_grads, hlo_dots, random_inputs, random_lora
 
 from lora_trainer import fused_delta
 from lora_trainer.config import LoraSpec, QuantizationSpec
-from lora_trainer.lora import apply_lora, lora_state, set_lora_state
+from lora_trainer.lora import apply_lora, set_lora_state
 from lora_trainer.lora_provider import LoraProvider, lora_delta
-from lora_trainer.loss import lm_loss, model_inputs
+from lora_trainer.loss import lm_loss
 from lora_trainer.models import FAMILIES, load_model
 from lora_trainer.tiny_models import make_tiny_hf_model
 
@@ -104,31 +104,19 @@ def test_where_the_contraction_is_no_deeper_than_the_result_it_is_one_product(k:
     assert (str(k + RANK) in dims, str(o + RANK) in dims) == (forward, backward), dots
 
 
-def _inputs() -> dict[str, jax.Array]:
-    tokens = np.random.default_rng(2).integers(3, 272, (2, 10)).astype(np.int32)
-    ones = np.ones_like(tokens)
-    pos = np.tile(np.arange(10, dtype=np.int32), (2, 1))
-    return model_inputs({"input_tokens": jnp.asarray(tokens), "input_mask": jnp.asarray(ones), "segment_ids": jnp.asarray(ones),
-                         "positions": jnp.asarray(pos)})
-
-
 def _adapted(path: Path, fuses: bool | None, monkeypatch: pytest.MonkeyPatch, spec: LoraSpec) -> nnx.Module:
     monkeypatch.setattr(LoraProvider, "fuses_delta", fuses)
     base = load_model(str(path), dtype="bfloat16")
     model = apply_lora(base.model, spec, base.family, seed=0).model
-    rng = np.random.default_rng(7)  # non-zero B, so that the delta takes part
-    set_lora_state(model, {p: {n: rng.normal(0, 0.05, np.shape(v)).astype(np.float32) for n, v in d.items()}
-                           for p, d in lora_state(model).items()})
+    set_lora_state(model, random_lora(model))  # non-zero B, so that the delta takes part
     return model
 
 
 def _traced(model: nnx.Module) -> tuple[str, float, dict[str, np.ndarray]]:
-    """(the loss's jaxpr, loss, LoRA gradients) of the LoRA step on `_inputs`."""
+    """(the loss's jaxpr, loss, LoRA gradients) of the LoRA step on `random_inputs(10)`."""
     graph, state = nnx.split(model)
-    jaxpr = str(jax.make_jaxpr(lambda s: lm_loss(nnx.merge(graph, s), **_inputs())[0])(state))
-    grad = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)
-    (loss, _), grads = grad(model, **_inputs())
-    return jaxpr, float(loss), {"/".join(map(str, k)): np.asarray(v.value) for k, v in nnx.to_flat_state(grads)}
+    jaxpr = str(jax.make_jaxpr(lambda s: lm_loss(nnx.merge(graph, s), **random_inputs(10))[0])(state))
+    return (jaxpr, *flat_lora_grads(model))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

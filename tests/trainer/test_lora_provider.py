@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import qwix
 from flax import nnx
-from trainer_fixtures import dot_operand_types, hlo_dots
+from trainer_fixtures import dot_operand_types, flat_lora_grads, hlo_dots, random_inputs, random_lora
 
 from lora_trainer import lora as lora_mod
 from lora_trainer.config import LoraSpec, QuantizationSpec
 from lora_trainer.lora import apply_lora, lora_state, set_lora_state
 from lora_trainer.lora_provider import LoraProvider, _subscripts, dot_general_spec, lora_delta
-from lora_trainer.loss import lm_loss, model_inputs
+from lora_trainer.loss import lm_loss
 from lora_trainer.models import FAMILIES, LoadedModel, load_model
 from lora_trainer.tiny_models import make_tiny_hf_model
 
@@ -31,34 +31,16 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
     return {f: load_model(str(make_tiny_hf_model(f, tmp_path_factory.mktemp(f), seed=5))) for f in FAMILIES}
 
 
-def _inputs() -> dict[str, jax.Array]:
-    tokens = np.random.default_rng(2).integers(3, 272, (2, 10)).astype(np.int32)
-    ones = np.ones_like(tokens)
-    pos = np.tile(np.arange(10, dtype=np.int32), (2, 1))
-    return model_inputs({"input_tokens": jnp.asarray(tokens), "input_mask": jnp.asarray(ones), "segment_ids": jnp.asarray(ones), "positions": jnp.asarray(pos)})
-
-
-def _loss_and_grads(model: nnx.Module) -> tuple[float, dict[str, np.ndarray]]:
-    (loss, _), grads = nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)(model, **_inputs())
-    return float(loss), {"/".join(map(str, k)): np.asarray(v.value) for k, v in nnx.to_flat_state(grads)}
-
-
 def _both(base: LoadedModel, spec: LoraSpec, monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, dict[str, np.ndarray]]]:
     """(loss, grads) with the project's provider and with Qwix's, same random non-zero LoRA params."""
     ours = apply_lora(base.model, spec, base.family, seed=0).model
     with monkeypatch.context() as m:
         m.setattr(lora_mod, "LoraProvider", qwix.LoraProvider)
         theirs = apply_lora(base.model, spec, base.family, seed=0).model
-    params = _random_lora(ours)
+    params = random_lora(ours)
     set_lora_state(ours, params)
     set_lora_state(theirs, params)
-    return [_loss_and_grads(ours), _loss_and_grads(theirs)]
-
-
-def _random_lora(model: nnx.Module) -> dict[str, dict[str, np.ndarray]]:
-    """Non-zero LoRA params (seeded) shaped like `model`'s, so that B = 0 hides no layout bug."""
-    rng = np.random.default_rng(7)
-    return {p: {n: (0.1 * rng.standard_normal(np.shape(v))).astype(np.float32) for n, v in d.items()} for p, d in lora_state(model).items()}
+    return [flat_lora_grads(ours), flat_lora_grads(theirs)]
 
 
 def _assert_same(a: tuple[float, dict[str, np.ndarray]], b: tuple[float, dict[str, np.ndarray]]) -> None:
@@ -158,7 +140,7 @@ def test_an_einsum_with_options_falls_back_to_qwix_s_math() -> None:
     for provider in (LoraProvider, qwix.LoraProvider):
         model = qwix.apply_lora_to_model(_EinsumWithOptions(), provider(module_path=".*", rank=2, alpha=3.0), x)
         models.append(model)
-    params = _random_lora(models[0])
+    params = random_lora(models[0])
     assert params and all(set(p) == {"w_lora_a", "w_lora_b"} for p in params.values()), params
     results = []
     for model in models:
@@ -179,7 +161,7 @@ def _lora_models(family: str, tmp: Any, dtype: str) -> tuple[nnx.Module, nnx.Mod
     path = make_tiny_hf_model(family, tmp, seed=5)
     bases = [load_model(str(path), dtype=d) for d in (dtype, "float32")]
     low, wide = (apply_lora(b.model, LoraSpec(rank=RANK_BF16, alpha=6.0), b.family, seed=0).model for b in bases)
-    params = _random_lora(wide)
+    params = random_lora(wide)
     set_lora_state(low, params)
     set_lora_state(wide, params)
     return low, wide
@@ -188,7 +170,7 @@ def _lora_models(family: str, tmp: Any, dtype: str) -> tuple[nnx.Module, nnx.Mod
 def _float32_dots(model: nnx.Module) -> list[tuple[list[str], ...]]:
     """(output, lhs, rhs) dims of the compiled LoRA step's dots whose operands are not both bf16."""
     step = nnx.jit(lambda m, i: nnx.value_and_grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)(m, **i))
-    dots = hlo_dots(step.lower(model, _inputs()).compile().as_text())
+    dots = hlo_dots(step.lower(model, random_inputs(10)).compile().as_text())
     assert dots
     return [(out, lhs[1], rhs[1]) for out, lhs, rhs in dots if (lhs[0], rhs[0]) != ("bf16", "bf16")]
 
@@ -213,7 +195,7 @@ def test_bfloat16_base_computes_in_bfloat16_and_matches_float32(family: str, tmp
 
     wide_dots = [d for d in _float32_dots(low) if not allowed(*d)]
     assert not wide_dots, f"float32 dots on activation-sized operands: {wide_dots}"
-    (loss_lo, grads_lo), (loss_hi, grads_hi) = _loss_and_grads(low), _loss_and_grads(wide)
+    (loss_lo, grads_lo), (loss_hi, grads_hi) = flat_lora_grads(low), flat_lora_grads(wide)
     assert loss_lo == pytest.approx(loss_hi, rel=1e-2)
     errs = {}
     for k in grads_hi:
@@ -230,5 +212,5 @@ def test_bfloat16_qlora_step_runs(tmp_path: Any) -> None:
     spec = LoraSpec(rank=4, alpha=8.0, quantization=QuantizationSpec(weight_qtype="int8"))
     model = apply_lora(base.model, spec, base.family, seed=0).model
     set_lora_state(model, {p: {n: np.full(np.shape(v), 0.05, np.float32) for n, v in d.items()} for p, d in lora_state(model).items()})
-    loss, grads = _loss_and_grads(model)
+    loss, grads = flat_lora_grads(model)
     assert np.isfinite(loss) and all(np.isfinite(g).all() and np.abs(g).max() > 0 for g in grads.values())

@@ -30,6 +30,7 @@ from flax import nnx
 
 from lora_trainer import compile_cache, step_record, storage
 from lora_trainer.config import TrainConfig
+from lora_trainer.lora import lora_state
 from lora_trainer.loss import lm_loss, model_inputs
 from lora_trainer.tiny_models import make_tiny_hf_model
 
@@ -50,6 +51,12 @@ def hlo_dots(hlo: str) -> list[tuple[list[str], tuple[str, list[str]], tuple[str
 def dot_operand_types(hlo: str) -> list[tuple[str, str]]:
     """The element types of every dot's operands in an optimized HLO module."""
     return [(lhs[0], rhs[0]) for _, lhs, rhs in hlo_dots(hlo)]
+
+
+def random_lora(model: nnx.Module) -> dict[str, dict[str, np.ndarray]]:
+    """Non-zero LoRA params (seeded) shaped like `model`'s, so that B = 0 hides no layout bug."""
+    rng = np.random.default_rng(7)
+    return {p: {n: (0.1 * rng.standard_normal(np.shape(v))).astype(np.float32) for n, v in d.items()} for p, d in lora_state(model).items()}
 
 
 def stand_in_train_step(x: jax.Array) -> jax.Array:
@@ -216,3 +223,9 @@ def random_inputs(length: int = 32) -> dict[str, jax.Array]:
 def loss_and_lora_grads(model: nnx.Module, inputs: dict[str, jax.Array]) -> tuple[jax.Array, nnx.State]:
     """Loss and LoRA gradients, as Tunix's train step forms them (nnx.jit over nnx.value_and_grad)."""
     return nnx.value_and_grad(lambda m: lm_loss(m, **inputs)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+
+
+def flat_lora_grads(model: nnx.Module) -> tuple[float, dict[str, np.ndarray]]:
+    """`loss_and_lora_grads` on two rows of 10 random tokens: the loss, and each LoRA param's gradient by path."""
+    loss, grads = loss_and_lora_grads(model, random_inputs(10))
+    return float(loss), {"/".join(map(str, k)): np.asarray(v.value) for k, v in nnx.to_flat_state(grads)}

@@ -29,13 +29,11 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-_F32 = jnp.float32
-
+from lora_trainer.accumulating_dot import native_dot
 
 def _dot(lhs: jax.Array, rhs: jax.Array, lhs_axis: int, rhs_axis: int) -> jax.Array:
-    """lhs . rhs over one axis each, accumulated in float32 (batch-free dot_general)."""
-    dims = (((lhs_axis % lhs.ndim,), (rhs_axis % rhs.ndim,)), ((), ()))
-    return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=_F32)
+    """lhs . rhs over one axis each, accumulated in float32 (`accumulating_dot.native_dot`)."""
+    return native_dot(lhs, rhs, (((lhs_axis % lhs.ndim,), (rhs_axis % rhs.ndim,)), ((), ())))
 
 
 def _low_rank(x: jax.Array, a: jax.Array, scale: float) -> jax.Array:
@@ -83,8 +81,8 @@ def _adapted_bwd(scale: float, res: tuple, g: jax.Array) -> tuple[jax.Array, Non
     gh = (_dot(g, b.astype(x.dtype), -1, 1) * scale).astype(x.dtype)  # [..., r]
     dx = _joined(g, gh, w, a, 1)
     tokens = tuple(range(x.ndim - 1))
-    da = jax.lax.dot_general(x, gh, ((tokens, tokens), ((), ())), preferred_element_type=_F32)
-    db = jax.lax.dot_general(h, g, ((tokens, tokens), ((), ())), preferred_element_type=_F32)
+    da = native_dot(x, gh, ((tokens, tokens), ((), ())))
+    db = native_dot(h, g, ((tokens, tokens), ((), ())))
     return dx, None, da.astype(a.dtype), db.astype(b.dtype)
 
 
